@@ -1,0 +1,42 @@
+# pivotrl-hpc: `make run` (install + tiny end-to-end job) and `make test` (install + local
+# Slurm cluster + the whole suite). Set-up is idempotent: stamps in .stamps/.
+SHELL := /bin/bash
+VENV  := .venv
+PY    := $(VENV)/bin/python
+MODELS := .run/models
+PYTEST_ARGS ?=
+export UCX_MODULES := ^ib,rdmacm
+
+.PHONY: setup models run test test-fast cluster-up cluster-down cluster-status clean
+
+setup:
+	@scripts/setup.sh
+
+$(MODELS)/policy/config.json: | setup
+	$(VENV)/bin/pivotrl init-models $(MODELS) > /dev/null
+
+models: setup $(MODELS)/policy/config.json
+
+cluster-up: setup
+	@slurm/local/cluster.sh start
+
+cluster-down:
+	@slurm/local/cluster.sh stop
+
+cluster-status:
+	@slurm/local/cluster.sh status
+
+run: models
+	$(VENV)/bin/pivotrl config configs/tiny-cpu.yaml > /dev/null
+	$(VENV)/bin/pivotrl run configs/tiny-cpu.yaml
+
+# The cluster stays up after the suite (a service, like a real site's controller) so that
+# `pivotrl doctor` and later runs find it; `make cluster-down` stops it.
+test: setup cluster-up
+	@eval "$$(slurm/local/cluster.sh env)" && $(PY) -m pytest $(PYTEST_ARGS)
+
+test-fast: setup
+	$(PY) -m pytest -m "not slurm and not slow" $(PYTEST_ARGS)
+
+clean: cluster-down
+	rm -rf .run .stamps

@@ -1,0 +1,39 @@
+"""`pivotrl bench KIND`: each benchmark prints one JSON object on stdout.
+
+Benchmarks live in their own modules (`add_arguments`, `main`); a kind whose issue has not
+landed says so and exits 2.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# kind -> (module, help, pending issue or None)
+BENCHES: dict[str, tuple[str, str, str | None]] = {
+    "planner": ("pivotrl_hpc.cli.bench_planner", "planner latency vs cluster size",
+                "the scheduler/planner issue"),
+    "dispatch": ("pivotrl_hpc.cli.bench_dispatch", "Dispatch latency", "the scheduler/planner issue"),
+    "gps": ("pivotrl_hpc.cli.bench_gps", "GPS Read/Write/replicate bandwidth", "the GPS issue"),
+    "shift": ("pivotrl_hpc.cli.bench_shift", "shift up / shift down seconds per role",
+              "the engines issue"),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="bench", metavar="KIND", required=True)
+    for kind, (module, help_, pending) in BENCHES.items():
+        p = sub.add_parser(kind, help=help_, description=help_)
+        if pending is None:
+            importlib.import_module(module).add_arguments(p)
+        else:
+            p.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+
+
+def main(args: argparse.Namespace) -> int:
+    module, _, pending = BENCHES[args.bench]
+    if pending is not None:
+        print(f"pivotrl bench {args.bench}: not available yet (arrives with {pending})",
+              file=sys.stderr)
+        return 2
+    return int(importlib.import_module(module).main(args) or 0)

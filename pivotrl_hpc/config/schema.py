@@ -1,0 +1,128 @@
+"""The typed configuration tree (torchtitan-style nested dataclasses).
+
+Field comments say what a value means; `load.py` turns YAML plus dotted overrides into
+these, and `validate.py` checks the combinations before anything starts.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+DeviceKind = Literal["cpu", "gpu"]
+Paradigm = Literal["colocated", "disaggregated", "rr_colocated", "shiftable",
+                   "static", "rule_based", "vanilla"]
+Transport = Literal["nixl", "mpi"]
+DType = Literal["float32", "bfloat16", "float16"]
+
+
+@dataclass
+class ClusterConfig:
+    nodes: int = 2
+    devices_per_node: int = 4
+    device_kind: DeviceKind = "cpu"
+    # CPU cores per emulated device (cgroup quota), so an idle "device" really wastes
+    # capacity as an idle GPU does. Ignored on GPUs.
+    cpu_share: float = 0.5
+
+
+@dataclass
+class ModelConfig:
+    path: str = ""
+    dtype: DType = "float32"
+    tensor_parallel: int = 1
+    expert_parallel: int = 1
+    max_prompt_len: int = 64
+    max_response_len: int = 64
+
+
+@dataclass
+class ModelsConfig:
+    policy: ModelConfig = field(default_factory=ModelConfig)
+    genrm: ModelConfig = field(default_factory=ModelConfig)
+
+
+@dataclass
+class RolesConfig:
+    # Devices per replica. A rollout replica is one policy engine (size = policy TP); a
+    # reward replica one GenRM engine (size = GenRM TP); training is one unit.
+    rollout_replica_size: int = 1
+    reward_replica_size: int = 1
+    train_devices: int = 4
+    train_tensor_parallel: int = 1
+
+
+@dataclass
+class RLConfig:
+    group_size: int = 4          # GRPO responses per prompt
+    batch_size: int = 8          # prompts per training step
+    staleness: int = 1           # max policy versions a sample may lag (async paradigms)
+    learning_rate: float = 1e-5
+    clip_low: float = 0.2
+    clip_high: float = 0.28      # DAPO clip-higher
+    steps: int = 3
+    seed: int = 0
+
+
+@dataclass
+class ParadigmConfig:
+    name: Paradigm = "shiftable"
+    horizon_s: float = 60.0      # H in the benefit B = H * (T_cand - T_cur) - phi
+    # Estimated seconds to shift one replica of a role (tau_shift), before measurements.
+    shift_seconds_rollout: float = 5.0
+    shift_seconds_reward: float = 5.0
+    shift_seconds_training: float = 8.0
+    planner_interval_s: float = 5.0
+    rule_high_kv: float = 0.8    # rule-based ablation: shift up above this KV utilisation
+    rule_low_kv: float = 0.1     # ... and shift down below this one
+    # Initial (and, for fixed paradigms, permanent) devices per role.
+    initial_rollout_devices: int = 0
+    initial_reward_devices: int = 0
+
+
+@dataclass
+class ThroughputConstants:
+    """T = N_seq / (A * N_tok + max(B, C * N_seq) + D), seconds per decoding step."""
+    A: float = 1e-7
+    B: float = 0.01
+    C: float = 1e-4
+    D: float = 0.002
+
+
+@dataclass
+class ThroughputConfig:
+    policy: ThroughputConstants = field(default_factory=ThroughputConstants)
+    genrm: ThroughputConstants = field(default_factory=ThroughputConstants)
+
+
+@dataclass
+class GPSConfig:
+    memory_budget_gb: float = 0.0   # per node; 0 = everything that /dev/shm allows
+    transport: Transport = "nixl"
+
+
+@dataclass
+class DataConfig:
+    train: str = ""
+    validation: str = ""
+
+
+@dataclass
+class TraceConfig:
+    path: str = "out/trace.h5"
+
+
+@dataclass
+class Config:
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    models: ModelsConfig = field(default_factory=ModelsConfig)
+    roles: RolesConfig = field(default_factory=RolesConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
+    paradigm: ParadigmConfig = field(default_factory=ParadigmConfig)
+    throughput: ThroughputConfig = field(default_factory=ThroughputConfig)
+    gps: GPSConfig = field(default_factory=GPSConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    trace: TraceConfig = field(default_factory=TraceConfig)
+
+    @property
+    def total_devices(self) -> int:
+        return self.cluster.nodes * self.cluster.devices_per_node

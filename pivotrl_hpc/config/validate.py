@@ -1,0 +1,105 @@
+"""Cross-field checks: impossible combinations fail before any work starts."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pivotrl_hpc.config.errors import ConfigError
+from pivotrl_hpc.config.schema import Config, ModelConfig
+
+_POSITIVE = {
+    "cluster": ("nodes", "devices_per_node", "cpu_share"),
+    "roles": ("rollout_replica_size", "reward_replica_size", "train_devices",
+              "train_tensor_parallel"),
+    "rl": ("group_size", "batch_size", "learning_rate", "steps"),
+    "paradigm": ("horizon_s", "shift_seconds_rollout", "shift_seconds_reward",
+                 "shift_seconds_training", "planner_interval_s"),
+}
+
+
+def _positive(cfg: Config) -> None:
+    for section, names in _POSITIVE.items():
+        for name in names:
+            value = getattr(getattr(cfg, section), name)
+            if value <= 0:
+                raise ConfigError(f"{section}.{name}", f"{value!r} must be > 0")
+    for name in ("policy", "genrm"):
+        m: ModelConfig = getattr(cfg.models, name)
+        for key in ("tensor_parallel", "expert_parallel", "max_prompt_len", "max_response_len"):
+            if getattr(m, key) <= 0:
+                raise ConfigError(f"models.{name}.{key}", f"{getattr(m, key)!r} must be > 0")
+
+
+def _replicas(cfg: Config) -> None:
+    per_node = cfg.cluster.devices_per_node
+    for role, model in (("rollout", "policy"), ("reward", "genrm")):
+        size = getattr(cfg.roles, f"{role}_replica_size")
+        key = f"roles.{role}_replica_size"
+        tp = getattr(cfg.models, model).tensor_parallel
+        if per_node % size:
+            raise ConfigError(key, f"{size} does not divide cluster.devices_per_node={per_node}"
+                                   " (a replica must sit within one node)")
+        if size != tp:
+            raise ConfigError(key, f"{size} differs from models.{model}.tensor_parallel={tp}:"
+                                   " a replica is one engine spanning its TP group")
+
+
+def _training(cfg: Config) -> None:
+    r = cfg.roles
+    if r.train_devices > cfg.total_devices:
+        raise ConfigError("roles.train_devices",
+                          f"{r.train_devices} is larger than the cluster "
+                          f"({cfg.cluster.nodes} nodes x {cfg.cluster.devices_per_node} devices"
+                          f" = {cfg.total_devices})")
+    if r.train_devices % r.train_tensor_parallel:
+        raise ConfigError("roles.train_tensor_parallel",
+                          f"{r.train_tensor_parallel} does not divide roles.train_devices="
+                          f"{r.train_devices}")
+    if cfg.rl.group_size < 2:
+        raise ConfigError("rl.group_size", f"{cfg.rl.group_size}: GRPO needs at least 2 "
+                                           "responses per prompt to normalise advantages")
+    if not 0 <= cfg.paradigm.rule_low_kv < cfg.paradigm.rule_high_kv <= 1:
+        raise ConfigError("paradigm.rule_low_kv", "need 0 <= rule_low_kv < rule_high_kv <= 1, "
+                          f"got {cfg.paradigm.rule_low_kv} and {cfg.paradigm.rule_high_kv}")
+    fixed = cfg.paradigm.initial_rollout_devices + cfg.paradigm.initial_reward_devices
+    if fixed > cfg.total_devices:
+        raise ConfigError("paradigm.initial_rollout_devices",
+                          f"initial rollout + reward devices ({fixed}) exceed the cluster "
+                          f"({cfg.total_devices})")
+
+
+def model_context(path: str) -> int:
+    """max_position_embeddings of an HF model folder."""
+    return int(json.loads((Path(path) / "config.json").read_text())["max_position_embeddings"])
+
+
+def _models_on_disk(cfg: Config) -> None:
+    for name in ("policy", "genrm"):
+        m: ModelConfig = getattr(cfg.models, name)
+        key = f"models.{name}.path"
+        if not m.path:
+            raise ConfigError(key, "is empty; point it at a HuggingFace model folder "
+                                   "(`pivotrl init-models DIR` makes tiny ones)")
+        p = Path(m.path)
+        if not (p / "config.json").is_file():
+            raise ConfigError(key, f"{m.path} is not a model folder (no config.json)")
+        if not any(p.glob("*.safetensors")):
+            raise ConfigError(key, f"{m.path} has no *.safetensors weights")
+        ctx = model_context(m.path)
+        need = m.max_prompt_len + m.max_response_len
+        if need > ctx:
+            raise ConfigError(f"models.{name}.max_response_len",
+                              f"max_prompt_len + max_response_len = {need} exceeds the model's "
+                              f"context of {ctx} tokens")
+    for split in ("train", "validation"):
+        path = getattr(cfg.data, split)
+        if path and not Path(path).is_file():
+            raise ConfigError(f"data.{split}", f"{path} does not exist")
+
+
+def validate(cfg: Config, check_files: bool = True) -> None:
+    _positive(cfg)
+    _replicas(cfg)
+    _training(cfg)
+    if check_files:
+        _models_on_disk(cfg)

@@ -1,0 +1,25 @@
+"""Shared fixtures. Each block belongs to one area; keep blocks small and delimited."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+os.environ.setdefault("UCX_MODULES", "^ib,rdmacm")  # NIXL segfaults at exit without it
+
+
+# --- tiny models and data ------------------------------------------------------------
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> Path:
+    """Folder with policy/, genrm/ (HF Qwen2, random weights) and data/ (JSONL)."""
+    from pivotrl_hpc.assets.dataset import write_dataset
+    from pivotrl_hpc.assets.models import SPECS, create_model
+
+    out = tmp_path_factory.mktemp("tiny")
+    for name in ("policy", "genrm"):
+        create_model(out / name, SPECS[name])
+    write_dataset(out / "data", seed=0, train=64, validation=16)
+    return out
+# --- end tiny models and data --------------------------------------------------------

@@ -1,0 +1,142 @@
+"""Config: every error class names the key; shipped configs load."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pivotrl_hpc.config import ConfigError, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "tiny-cpu.yaml"
+
+
+@pytest.fixture
+def tiny_config(tiny_models, tmp_path) -> Path:
+    """tiny-cpu.yaml pointed at the session's tiny models."""
+    data = yaml.safe_load(TINY.read_text())
+    data["models"]["policy"]["path"] = str(tiny_models / "policy")
+    data["models"]["genrm"]["path"] = str(tiny_models / "genrm")
+    data["data"] = {"train": str(tiny_models / "data/train.jsonl"),
+                    "validation": str(tiny_models / "data/validation.jsonl")}
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def error(path, overrides=(), check_files=True) -> ConfigError:
+    with pytest.raises(ConfigError) as info:
+        load_config(path, list(overrides), check_files=check_files)
+    return info.value
+
+
+def test_tiny_config_loads_with_overrides(tiny_config):
+    cfg = load_config(tiny_config, ["rl.steps=7", "paradigm.name=rule_based"])
+    assert cfg.rl.steps == 7 and cfg.paradigm.name == "rule_based"
+    assert cfg.total_devices == 8 and cfg.roles.train_tensor_parallel == 2
+    assert isinstance(cfg.rl.learning_rate, float)
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (ROOT / "configs").glob("qwen*.yaml")))
+def test_paper_model_group_configs_load(name):
+    cfg = load_config(ROOT / "configs" / name, check_files=False)
+    assert cfg.cluster.device_kind == "gpu" and cfg.cluster.devices_per_node == 8
+    assert cfg.total_devices in (32, 64, 128)
+    assert cfg.paradigm.initial_rollout_devices + cfg.paradigm.initial_reward_devices \
+        + cfg.roles.train_devices == cfg.total_devices  # Table 4's disaggregated split
+
+
+def test_unknown_key_did_you_mean(tiny_config):
+    e = error(tiny_config, ["rl.stpes=3"])
+    assert e.key == "rl.stpes" and "did you mean 'steps'" in str(e)
+    e = error(tiny_config, ["clustr.nodes=3"])
+    assert e.key == "clustr" and "did you mean 'cluster'" in str(e)
+
+
+def test_bad_choice_names_allowed_values(tiny_config):
+    e = error(tiny_config, ["paradigm.name=elastic"])
+    assert e.key == "paradigm.name" and "'elastic'" in str(e) and "'shiftable'" in str(e)
+
+
+def test_wrong_type(tiny_config):
+    e = error(tiny_config, ["rl.batch_size=eight"])
+    assert e.key == "rl.batch_size" and "expected int" in str(e)
+    e = error(tiny_config, ["cluster.nodes=2.5"])
+    assert e.key == "cluster.nodes"
+
+
+def test_non_positive(tiny_config):
+    e = error(tiny_config, ["rl.steps=0"])
+    assert e.key == "rl.steps" and "must be > 0" in str(e)
+
+
+def test_reward_replica_must_divide_devices(tiny_config):
+    e = error(tiny_config, ["roles.reward_replica_size=3", "models.genrm.tensor_parallel=3"])
+    assert e.key == "roles.reward_replica_size" and "does not divide" in str(e)
+
+
+def test_replica_size_matches_tp(tiny_config):
+    e = error(tiny_config, ["roles.reward_replica_size=2"])
+    assert e.key == "roles.reward_replica_size" and "tensor_parallel" in str(e)
+
+
+def test_training_larger_than_cluster(tiny_config):
+    e = error(tiny_config, ["roles.train_devices=16"])
+    assert e.key == "roles.train_devices" and "larger than the cluster" in str(e)
+    assert "= 8" in str(e)
+
+
+def test_training_tp_must_divide(tiny_config):
+    e = error(tiny_config, ["roles.train_tensor_parallel=3"])
+    assert e.key == "roles.train_tensor_parallel"
+
+
+def test_lengths_over_context(tiny_config):
+    e = error(tiny_config, ["models.policy.max_response_len=4000"])
+    assert e.key == "models.policy.max_response_len" and "2048" in str(e)
+
+
+def test_missing_model(tiny_config, tmp_path):
+    e = error(tiny_config, [f"models.genrm.path={tmp_path / 'nope'}"])
+    assert e.key == "models.genrm.path" and "no config.json" in str(e)
+
+
+def test_model_without_weights(tiny_config, tiny_models, tmp_path):
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy(tiny_models / "policy" / "config.json", bare / "config.json")
+    e = error(tiny_config, [f"models.policy.path={bare}"])
+    assert e.key == "models.policy.path" and "safetensors" in str(e)
+
+
+def test_missing_data_file(tiny_config, tmp_path):
+    e = error(tiny_config, [f"data.train={tmp_path / 'x.jsonl'}"])
+    assert e.key == "data.train"
+
+
+def test_bad_override_syntax(tiny_config):
+    assert error(tiny_config, ["rl.steps"]).key == "rl.steps"
+    assert "dotted" in str(error(tiny_config, ["rl..steps=1"]))
+    e = error(tiny_config, ["rl.steps.x=1"])
+    assert e.key == "rl.steps.x" and "not a section" in str(e)
+
+
+def test_missing_file():
+    e = error(ROOT / "configs" / "nope.yaml")
+    assert "does not exist" in str(e)
+
+
+def test_rule_thresholds(tiny_config):
+    e = error(tiny_config, ["paradigm.rule_low_kv=0.9"])
+    assert e.key == "paradigm.rule_low_kv"
+
+
+def test_initial_split_over_cluster(tiny_config):
+    e = error(tiny_config, ["paradigm.initial_rollout_devices=8"])
+    assert e.key == "paradigm.initial_rollout_devices" and "exceed" in str(e)
+
+
+def test_group_size_for_grpo(tiny_config):
+    assert error(tiny_config, ["rl.group_size=1"]).key == "rl.group_size"
