@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 SETUP_HINT = "run `make setup` (scripts/setup.sh) from the checkout"
 
@@ -58,9 +59,9 @@ def python_check(snippet: str, hint: str, timeout: float = 120.0) -> Check:
     return Check(True, version, "imports")
 
 
-def command_version(cmd: list[str]) -> str | None:
+def command_version(cmd: list[str], env: dict | None = None) -> str | None:
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=20)
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=20, env=env)
     except (OSError, subprocess.TimeoutExpired):
         return None
     out = (p.stdout or p.stderr).strip().splitlines()
@@ -74,20 +75,34 @@ def mpirun_check() -> Check:
     return Check(v is not None, v.split()[-1] if v else None, "Open MPI launcher")
 
 
+def slurm_conf() -> tuple[str | None, str]:
+    """The Slurm config clients use: $SLURM_CONF, the site's, else the checkout's local
+    test cluster (`slurm/local/cluster.sh`), so a developer's doctor finds it."""
+    if os.environ.get("SLURM_CONF"):
+        return os.environ["SLURM_CONF"], "SLURM_CONF"
+    if os.path.exists("/etc/slurm/slurm.conf"):
+        return "/etc/slurm/slurm.conf", "site"
+    local = Path(__file__).resolve().parents[2] / ".run" / "slurm" / "slurm.conf"
+    return (str(local), "local test cluster") if local.is_file() else (None, "none")
+
+
 def slurm_check() -> Check:
     if not shutil.which("sinfo"):
         return Check(False, None, "Slurm client missing; fix: apt-get install slurm-wlm")
-    version = (command_version(["sinfo", "--version"]) or "").split()[-1:] or [None]
+    conf, origin = slurm_conf()
+    env = dict(os.environ, **({"SLURM_CONF": conf} if conf else {}))
+    version = (command_version(["sinfo", "--version"], env) or "").split()[-1:] or [None]
     try:
         p = subprocess.run(["sinfo", "-h", "-o", "%D %T"], capture_output=True, text=True,
-                           timeout=20)
+                           timeout=20, env=env)
     except subprocess.TimeoutExpired:
         return Check(False, version[0], "sinfo timed out: controller unreachable")
     if p.returncode != 0:
         return Check(False, version[0], "no reachable slurmctld (" + p.stderr.strip()[:120]
                      + "); locally: `slurm/local/cluster.sh start` and `eval "
                        "$(slurm/local/cluster.sh env)`")
-    return Check(True, version[0], "controller reachable: " + " ".join(p.stdout.split()))
+    return Check(True, version[0], f"controller reachable ({origin}): nodes "
+                 + " ".join(p.stdout.split()))
 
 
 def shm_check(min_gb: float) -> Check:

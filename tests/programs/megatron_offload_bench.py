@@ -1,0 +1,92 @@
+"""Measure the trainer's shift-down / shift-up (offload / reload) on a given HF policy.
+
+Usage: python tests/programs/megatron_offload_bench.py MODEL_DIR [--repeats 3] [--seq 64]
+Single process, TP=1 (CPU: gloo + shim; GPU: NCCL, pinned host buffers). Prints one JSON
+object: bytes per category, seconds per phase (median of the repeats), host GB/s, the step
+time, and the process RSS before / during / after the offload.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import time
+import warnings
+from pathlib import Path
+
+warnings.filterwarnings("ignore")
+
+import torch  # noqa: E402
+
+from pivotrl_hpc.engines.megatron.batch import RolloutBatch  # noqa: E402
+from pivotrl_hpc.engines.megatron.model import ModelBuildConfig  # noqa: E402
+from pivotrl_hpc.engines.megatron.parallel import destroy_model_parallel  # noqa: E402
+from pivotrl_hpc.engines.megatron.trainer import (  # noqa: E402
+    MegatronTrainer, OptimConfig, TrainerConfig)
+from pivotrl_hpc.gps.shapes import ModelShape  # noqa: E402
+
+
+def rss_mib() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def batch(shape: ModelShape, seq: int) -> RolloutBatch:
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, shape.vocab_size, (seq // 4,), generator=g).tolist()
+               for _ in range(4)]
+    responses = [torch.randint(3, shape.vocab_size, (seq - seq // 4,), generator=g).tolist()
+                 for _ in range(4)]
+    return RolloutBatch.from_sequences(prompts, responses, [[-1.0] * len(r) for r in responses],
+                                       [1.0, 0.0, 0.5, 0.0], [0, 0, 0, 0])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model_dir", type=Path)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--seq", type=int, default=64)
+    args = ap.parse_args()
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
+    shape = ModelShape.from_hf_config(args.model_dir)
+    tr = MegatronTrainer(shape, TrainerConfig(model=ModelBuildConfig(tp_size=1),
+                                              optim=OptimConfig(lr=1e-5)))
+    tr.load_hf_folder(args.model_dir)
+    b = batch(shape, args.seq)
+    step = tr.train_step(b)  # creates Adam state and fills the grad buffer
+    offs, rels, rss = [], [], {}
+    for i in range(args.repeats):
+        rss_before = rss_mib()
+        offs.append(tr.offload())
+        rss_during = rss_mib()
+        rels.append(tr.reload())
+        if i == 0:
+            rss = {"before": rss_before, "offloaded": rss_during, "after_reload": rss_mib()}
+    total_bytes = sum(tr.last_offload_bytes.values())
+    med = {k: statistics.median(o[k] for o in offs) for k in offs[0]}
+    med_r = {k: statistics.median(r[k] for r in rels) for k in rels[0]}
+    print(json.dumps({
+        "device": str(tr.device), "params": shape.num_params(),
+        "bytes": tr.last_offload_bytes, "total_mib": total_bytes / 2**20,
+        "offload_seconds": med, "reload_seconds": med_r,
+        "offload_gib_s": total_bytes / 2**30 / med["total"],
+        "reload_gib_s": total_bytes / 2**30 / med_r["total"],
+        "step_seconds": step["seconds"], "rss_mib": rss,
+        "next_step_loss": tr.train_step(b)["loss"], "first_step_loss": step["loss"],
+        "wall": time.strftime("%H:%M:%S"),
+    }, indent=1))
+    destroy_model_parallel()
+
+
+if __name__ == "__main__":
+    main()
