@@ -9,7 +9,7 @@ STAMPS=$ROOT/.stamps
 mkdir -p "$STAMPS"
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null || PY=python3
-APT_PKGS="slurm-wlm slurmctld slurmd munge openmpi-bin libopenmpi-dev libpmix2 procps psmisc"
+APT_PKGS="slurm-wlm slurmctld slurmd munge openmpi-bin libopenmpi-dev libpmix2 procps psmisc slurmdbd mariadb-server"
 
 log() { echo "[setup] $*"; }
 # pip, minus the machine's noise about missing local index folders
@@ -29,12 +29,21 @@ system_packages() {
   fi
   log "apt-get install $APT_PKGS"
   apt-get update -qq
+  # Keep package scripts from starting system daemons (MariaDB on :3306, munge, slurmd):
+  # the local test cluster starts its own, on its own ports, and stops them again.
+  local own_policy=0
+  if [ ! -e /usr/sbin/policy-rc.d ]; then
+    printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d
+    own_policy=1
+  fi
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $APT_PKGS >/dev/null
+  [ "$own_policy" = 1 ] && rm -f /usr/sbin/policy-rc.d
   echo "$key" > "$STAMPS/system"
 }
 
 python_env() {
-  local key; key=$(cat pyproject.toml scripts/setup.sh | sha1sum | cut -c1-12)
+  # keyed by the Python side only: a new Debian package does not rebuild the venv
+  local key; key=$(cat pyproject.toml <(declare -f python_env pip_install) | sha1sum | cut -c1-12)
   if stamp_ok venv "$key" && [ -x .venv/bin/pivotrl ]; then return 0; fi
   [ -x .venv/bin/python ] || { log "creating .venv with $PY"; "$PY" -m venv .venv; }
   local PIP="pip_install"

@@ -23,3 +23,17 @@ def tiny_models(tmp_path_factory) -> Path:
     write_dataset(out / "data", seed=0, train=64, validation=16)
     return out
 # --- end tiny models and data --------------------------------------------------------
+
+
+# --- slurm_cluster (local two-node Slurm; helpers in tests/slurm_util.py) --------------
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    """The local cluster of slurm/local/cluster.sh: `.env` (for subprocess), `.run_dir`,
+    `.run(...)`, `.sbatch(...)`. Started if down; stopped at the end only if a pytest
+    session started it and no other session still uses it."""
+    from slurm_util import acquire_cluster, release_cluster
+
+    cluster = acquire_cluster()
+    yield cluster
+    release_cluster(cluster)
+# --- end slurm_cluster -----------------------------------------------------------------

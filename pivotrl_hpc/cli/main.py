@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 from dataclasses import dataclass
 
@@ -30,13 +31,10 @@ COMMANDS: tuple[Command, ...] = (
             pending="the cluster simulator issue"),
     Command("report", "pivotrl_hpc.cli.report", "turn an HDF5 trace into figures",
             pending="the trace and report issue"),
-    Command("plan", "pivotrl_hpc.cli.plan", "replay one planner decision from a snapshot",
-            pending="the scheduler/planner issue"),
+    Command("plan", "pivotrl_hpc.cli.plan", "replay one planner decision from a snapshot"),
     Command("bench", "pivotrl_hpc.cli.bench", "benchmarks printing one JSON object"),
-    Command("profile", "pivotrl_hpc.cli.profile", "profile a real engine and fit A, B, C, D",
-            pending="the engines issue"),
-    Command("gps", "pivotrl_hpc.cli.gps", "Global Parameter Storage operator tools",
-            pending="the GPS issue"),
+    Command("profile", "pivotrl_hpc.cli.profile", "profile a real engine and fit A, B, C, D"),
+    Command("gps", "pivotrl_hpc.cli.gps", "Global Parameter Storage operator tools"),
     Command("doctor", "pivotrl_hpc.cli.doctor", "check every real component"),
     Command("init-models", "pivotrl_hpc.cli.init_models", "create tiny models and the dataset"),
     Command("config", "pivotrl_hpc.cli.config_cmd", "validate and print a resolved config"),
@@ -58,6 +56,14 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Command]]:
     return parser, by_name
 
 
+def _quiet_engines(verbose: bool) -> None:
+    """stdout belongs to the command's output (JSON for benchmarks): engine logs go to stderr,
+    and only warnings unless -v."""
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "DEBUG" if verbose else "WARNING")
+    os.environ.setdefault("UCX_MODULES", "^ib,rdmacm")  # NIXL crashes at exit without it
+
+
 def main(argv: list[str] | None = None) -> int:
     parser, by_name = build_parser()
     # Dotted overrides (`rl.steps=3`) may come after options; argparse leaves those over.
@@ -67,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
             args.overrides = list(args.overrides) + extra
         else:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    _quiet_engines(args.verbose)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command is None:
