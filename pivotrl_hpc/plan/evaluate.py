@@ -1,0 +1,114 @@
+"""Planner step 4 (§7.3): estimate a candidate's throughput by migration simulation.
+
+Each role is replayed with the scheduler's own Algorithms 3 and 4 on a copy of its state:
+shift-down replicas abort everything and the rest receive it; shift-up replicas take the
+queue and then pull sequences while aggregate throughput rises. The shift-up result depends
+only on how many replicas come up (§7.2), so it is cached per count; shift-down results are
+cached per set. Overall throughput is the weighted harmonic mean of Eq. (1).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Iterable, Mapping
+
+from pivotrl_hpc.plan.snapshot import GEN_ROLES, REWARD, ROLLOUT, TRAINING_ID, WorkloadSnapshot
+from pivotrl_hpc.sched.model import ReplicaThroughput
+from pivotrl_hpc.sched.scheduler import Scheduler
+from pivotrl_hpc.sched.state import Replica, Sequence, WaitingQueue
+
+
+def harmonic_throughput(loads: Iterable[tuple[int, float]]) -> float:
+    """Eq. (1): (Σ N_r) / (Σ N_r / T_r) over roles with work; 0 if a busy role is stalled."""
+    n_total, time_total = 0, 0.0
+    for n, t in loads:
+        if n <= 0:
+            continue
+        if t <= 0.0:
+            return 0.0
+        n_total += n
+        time_total += n / t
+    return n_total / time_total if n_total else 0.0
+
+
+@dataclass(frozen=True)
+class Estimate:
+    rollout: float
+    reward: float
+    overall: float
+
+    def to_dict(self) -> dict[str, float]:
+        return {"rollout": self.rollout, "reward": self.reward, "overall": self.overall}
+
+
+class MigrationSimulator:
+    """Replays shift-time migration for candidate plans on one snapshot."""
+
+    def __init__(self, snap: WorkloadSnapshot,
+                 model_of: Callable[[str], ReplicaThroughput], migrate: bool = True) -> None:
+        self.snap = snap
+        self.migrate = migrate
+        self.base: dict[str, Scheduler] = {}
+        for role in GEN_ROLES:
+            queue = WaitingQueue()
+            queue.extend(Sequence(s.seq_id, s.prompt_tokens, s.generated_tokens)
+                         for s in snap.roles[role].queue)
+            reps = [Replica(r.replica_id, r.kv_capacity,
+                            [Sequence(s.seq_id, s.prompt_tokens, s.generated_tokens)
+                             for s in r.sequences]) for r in snap.role_replicas(role)]
+            self.base[role] = Scheduler(model_of(role), reps, queue, record_moves=False)
+        self.counts = {role: snap.role_sequences(role) for role in GEN_ROLES}
+        self.role_of = {r.replica_id: r.role for r in snap.replicas}
+        self._now = {role: s.aggregate_throughput() for role, s in self.base.items()}
+        self._up: dict[tuple[str, int], float] = {}
+        self._down: dict[tuple[str, frozenset[str]], float] = {}
+        self.simulations = 0
+
+    def current(self) -> Estimate:
+        return self._estimate(self._now)
+
+    def _estimate(self, thr: Mapping[str, float]) -> Estimate:
+        overall = harmonic_throughput((self.counts[r], thr[r]) for r in GEN_ROLES)
+        return Estimate(thr[ROLLOUT], thr[REWARD], overall)
+
+    def shift_up_throughput(self, role: str, count: int) -> float:
+        key = (role, count)
+        if key not in self._up:
+            sched = self.base[role].copy()
+            cap = self.snap.roles[role].kv_capacity
+            new = [Replica(f"{role}+{i}", cap) for i in range(count)]
+            self._up[key] = sched.shift_up_migration(new, migrate=self.migrate).throughput_after
+            self.simulations += 1
+        return self._up[key]
+
+    def shift_down_throughput(self, role: str, down: frozenset[str]) -> float:
+        key = (role, down)
+        if key not in self._down:
+            sched = self.base[role].copy()
+            order = [rid for rid in sched.replicas if rid in down]
+            self._down[key] = sched.shift_down_migration(order).throughput_after
+            self.simulations += 1
+        return self._down[key]
+
+    def _down_by_role(self, shift_down: Iterable[str]) -> dict[str, set[str]]:
+        by_role: dict[str, set[str]] = {}
+        for rid in shift_down:
+            if rid != TRAINING_ID:
+                by_role.setdefault(self.role_of[rid], set()).add(rid)
+        return by_role
+
+    def estimate(self, up_role: str, up_count: int, shift_down: Iterable[str]) -> Estimate:
+        """Rollout, reward and Eq. (1) throughput after the candidate's shifts."""
+        thr = dict(self._now)
+        for role, ids in self._down_by_role(shift_down).items():
+            thr[role] = self.shift_down_throughput(role, frozenset(ids))
+        if up_role in GEN_ROLES and up_count:
+            thr[up_role] = self.shift_up_throughput(up_role, up_count)
+        return self._estimate(thr)
+
+
+def benefit(horizon_s: float, current: float, candidate: float, penalty: float) -> float:
+    """B = H·(T_candidate − T_current) − φ."""
+    if math.isinf(penalty):
+        return -math.inf
+    return horizon_s * (candidate - current) - penalty

@@ -1,0 +1,174 @@
+"""The five-step planner of §7.1 (`PivotPlanner`, paradigm "shiftable").
+
+1. shift-up role: training if its next batch is ready, else the larger τ_Role;
+2. shift pairs with penalty φ = Σ τ_shift · T_i, ascending;
+3. candidate set by the DP of Algorithm 1 (one per shift-up count k);
+4. each candidate's throughput by migration simulation, Eq. (1), B = H·ΔT − φ;
+5. the best positive candidate, or no shift.
+
+Training shifts up as a whole, so it has one candidate, taken whatever its benefit: the
+shift is needed for the RL step to progress (§8.3). τ_Role and φ use each replica's measured
+throughput when the snapshot has it; current and candidate throughput both come from the
+model, so model bias cancels in the benefit. `explain` returns every step's result for
+`pivotrl plan`; `decide` is the AllocationPolicy entry point. Pure and deterministic.
+
+Cost: steps 1-3 are O(I + K·I); step 4 replays one migration per candidate, so a decision
+is O(K · N^Seq) Dispatch placements (each O(buckets · log I), see sched.index): quadratic in
+cluster size when K and N^Seq both grow with it (`pivotrl bench planner`).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from pivotrl_hpc.plan.dp import Candidate, construct_candidates
+from pivotrl_hpc.plan.evaluate import Estimate, MigrationSimulator, benefit
+from pivotrl_hpc.plan.pairs import (RoleChoice, ShiftPair, ThroughputOf, prepare_shift_pairs,
+                                    select_shift_up_role, training_pair)
+from pivotrl_hpc.plan.snapshot import TRAINING, WorkloadSnapshot
+from pivotrl_hpc.plan.types import ReplicaSpec, ShiftPlan
+from pivotrl_hpc.sched.model import BinaryThroughputModel
+
+
+def _default_tau_shift() -> dict[str, float]:
+    return {"rollout": 2.0, "reward": 3.0, "training": 6.0}
+
+
+@dataclass
+class PlannerParams:
+    horizon_s: float = 60.0                       # H: how long a gain is expected to last
+    tau_shift: dict[str, float] = field(default_factory=_default_tau_shift)  # s stalled
+    migrate: bool = True                          # simulate Algorithm 4's migration loop
+    binary_throughput: bool = False               # vanilla: T_i in {0, 1}
+
+    def __post_init__(self) -> None:
+        if self.horizon_s < 0:
+            raise ValueError(f"horizon_s must be >= 0, got {self.horizon_s}")
+        missing = {"rollout", "reward", "training"} - set(self.tau_shift)
+        if missing or any(v < 0 for v in self.tau_shift.values()):
+            raise ValueError(f"tau_shift needs non-negative seconds for rollout, reward and "
+                             f"training; got {self.tau_shift}")
+
+
+@dataclass(frozen=True)
+class CandidateEval:
+    candidate: Candidate
+    up: tuple[ReplicaSpec, ...]
+    shift_down: tuple[str, ...]
+    estimate: Estimate
+    benefit: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"k": self.candidate.k, "penalty": self.candidate.penalty,
+                "pairs": [list(p) for p in self.candidate.picks],
+                "shift_down": list(self.shift_down), "shift_up": [s.to_dict() for s in self.up],
+                "est_throughput": self.estimate.to_dict(), "benefit": self.benefit}
+
+
+@dataclass(frozen=True)
+class PlanReport:
+    policy: str
+    choice: RoleChoice
+    current: Estimate
+    pairs: tuple[ShiftPair, ...]
+    candidates: tuple[CandidateEval, ...]
+    plan: ShiftPlan | None
+    reason: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"policy": self.policy,
+                "shift_up_role": {"role": self.choice.role, "reason": self.choice.reason,
+                                  # null: work waiting but no throughput (τ unbounded)
+                                  "tau": {r: None if math.isinf(t) else t
+                                          for r, t in self.choice.taus.items()}},
+                "current_throughput": self.current.to_dict(),
+                "shift_pairs": [p.to_dict() for p in self.pairs],
+                "candidates": [c.to_dict() for c in self.candidates],
+                "plan": None if self.plan is None else self.plan.to_dict(),
+                "reason": self.reason}
+
+
+class PivotPlanner:
+    name = "shiftable"
+
+    def __init__(self, params: PlannerParams | None = None) -> None:
+        self.params = params or PlannerParams()
+
+    # -- the steps, public so the benchmark can time them --------------------------------
+    def model_of(self, snap: WorkloadSnapshot):
+        if self.params.binary_throughput:
+            binary = BinaryThroughputModel()
+            return lambda role: binary
+        return lambda role: snap.roles[role].model
+
+    def throughput_of(self, snap: WorkloadSnapshot) -> ThroughputOf:
+        if self.params.binary_throughput:
+            return lambda r: 1.0 if r.sequences else 0.0
+        return snap.replica_throughput
+
+    def prepare(self, snap: WorkloadSnapshot) -> tuple[RoleChoice, list[ShiftPair]]:
+        """Steps 1 and 2."""
+        thr = self.throughput_of(snap)
+        choice = select_shift_up_role(snap, thr)
+        if choice.role == TRAINING:
+            return choice, [training_pair(snap, self.params.tau_shift, thr)]
+        return choice, prepare_shift_pairs(snap, choice.role, self.params.tau_shift, thr)
+
+    def construct(self, pairs: list[ShiftPair]) -> list[Candidate]:
+        """Step 3: Algorithm 1."""
+        return construct_candidates([p.size for p in pairs], [p.penalty for p in pairs])
+
+    def evaluate(self, snap: WorkloadSnapshot, role: str, pairs: list[ShiftPair],
+                 candidates: list[Candidate]) -> tuple[Estimate, list[CandidateEval]]:
+        """Step 4: migration simulation and B = H·(T_cand − T_cur) − φ."""
+        sim = MigrationSimulator(snap, self.model_of(snap), self.params.migrate)
+        current = sim.current()
+        out = []
+        for cand in candidates:
+            up, down = _materialise(role, pairs, cand)
+            est = sim.estimate(role, 0 if role == TRAINING else cand.k, down)
+            out.append(CandidateEval(cand, up, down, est,
+                                     benefit(self.params.horizon_s, current.overall,
+                                             est.overall, cand.penalty)))
+        return current, out
+
+    # -- the whole procedure -------------------------------------------------------------
+    def explain(self, snap: WorkloadSnapshot) -> PlanReport:
+        choice, pairs = self.prepare(snap)
+        candidates = self.construct(pairs)
+        current, evals = self.evaluate(snap, choice.role, pairs, candidates)
+        plan, reason = self._select(choice, evals)
+        return PlanReport(self.name, choice, current, tuple(pairs), tuple(evals), plan, reason)
+
+    def decide(self, snap: WorkloadSnapshot) -> ShiftPlan | None:
+        return self.explain(snap).plan
+
+    def _select(self, choice: RoleChoice, evals: list[CandidateEval]
+                ) -> tuple[ShiftPlan | None, str]:
+        """Step 5: the largest positive benefit (ties: fewer replicas); training is forced."""
+        if not evals:
+            return None, f"no eligible {choice.role} replica to shift up"
+        if choice.role == TRAINING:
+            best, why = evals[0], "next training batch is ready: shift training up"
+        else:
+            best = max(evals, key=lambda e: (e.benefit, -e.candidate.k))
+            if not best.benefit > 0.0:
+                return None, f"no candidate has a positive benefit (best {best.benefit:.1f})"
+            why = (f"shift up {best.candidate.k} {choice.role} replica(s): "
+                   f"benefit {best.benefit:.1f}")
+        plan = ShiftPlan(best.shift_down, best.up, why, best.candidate.penalty,
+                         best.estimate.overall, best.benefit)
+        return plan, why
+
+
+def _materialise(role: str, pairs: list[ShiftPair], cand: Candidate
+                 ) -> tuple[tuple[ReplicaSpec, ...], tuple[str, ...]]:
+    """The replicas a candidate shifts up and down: first e slots of each picked pair."""
+    up: list[ReplicaSpec] = []
+    down: list[str] = []
+    for i, e in cand.picks:
+        up.extend(ReplicaSpec(role, slot) for slot in pairs[i].up_slots[:e])
+        down.extend(pairs[i].shift_down)
+    return tuple(up), tuple(down)
+

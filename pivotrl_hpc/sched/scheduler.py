@@ -1,0 +1,235 @@
+"""The shift-aware scheduler of one role (paper §6, appendix C, Algorithms 2-4).
+
+`Scheduler` holds a role's replicas, in a fixed order that breaks ties, and its shared
+waiting queue. `dispatch` is Dispatch(Q, R), `abort` is Abort(r, d, Q), and
+`shift_down_migration` / `shift_up_migration` are Algorithms 3 and 4. Every operation
+returns what moved (unless `record_moves=False`, as in the planner's simulation, which only
+reads the resulting throughput), so the live controller can tell the engines. Pure: no I/O,
+no clocks.
+
+Where the pseudocode leaves room: Dispatch keeps going past a sequence that fits nowhere
+(it stays queued, in order, and shorter ones behind it may still be placed); Algorithm 4
+evaluates a migration before doing it and stops without doing the one that would not raise
+aggregate throughput, so the result is never below the start, and it stops after at most
+N^Seq migrations (the bound of appendix C.2).
+"""
+from __future__ import annotations
+
+import heapq
+import logging
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Iterable, NamedTuple
+
+from pivotrl_hpc.sched.index import DispatchIndex, OpCounter
+from pivotrl_hpc.sched.model import ReplicaThroughput
+from pivotrl_hpc.sched.state import Replica, SchedulerError, Sequence, WaitingQueue
+
+log = logging.getLogger(__name__)
+
+
+class AbortSpec(Enum):
+    ALL = "all"
+    SHORTEST = "shortest"
+
+
+class Move(NamedTuple):
+    """Sequence `seq_id` now runs on `dst`; `src` is where it ran before (None: the queue)."""
+
+    seq_id: int
+    src: str | None
+    dst: str
+
+
+@dataclass
+class MigrationResult:
+    moves: list[Move] = field(default_factory=list)
+    aborted: list[int] = field(default_factory=list)   # seq ids returned to the queue
+    queued: int = 0                                     # sequences left waiting afterwards
+    iterations: int = 0                                 # improving migrations (Algorithm 4)
+    throughput_before: float = 0.0
+    throughput_after: float = 0.0
+
+
+class Scheduler:
+    def __init__(self, model: ReplicaThroughput, replicas: Iterable[Replica] = (),
+                 queue: WaitingQueue | None = None, counter: OpCounter | None = None,
+                 record_moves: bool = True) -> None:
+        self.model = model
+        self.record_moves = record_moves  # the planner's simulation only needs throughput
+        self.replicas: dict[str, Replica] = {}
+        self.queue = queue if queue is not None else WaitingQueue()
+        self.counter = counter
+        for r in replicas:
+            self.add_replica(r)
+
+    # -- state ---------------------------------------------------------------------------
+    def add_replica(self, replica: Replica) -> None:
+        if replica.replica_id in self.replicas:
+            raise SchedulerError(f"replica {replica.replica_id} already belongs to this role")
+        self.replicas[replica.replica_id] = replica
+
+    def remove_replica(self, replica_id: str) -> Replica:
+        replica = self._replica(replica_id)
+        if replica.seqs:
+            raise SchedulerError(f"replica {replica_id} still runs {replica.n_seq} sequences; "
+                                 "abort them first")
+        return self.replicas.pop(replica_id)
+
+    def submit(self, seq: Sequence) -> None:
+        self.queue.push(seq)
+
+    def _replica(self, replica_id: str) -> Replica:
+        try:
+            return self.replicas[replica_id]
+        except KeyError:
+            raise SchedulerError(f"unknown replica {replica_id}") from None
+
+    def throughput(self, replica_id: str) -> float:
+        r = self._replica(replica_id)
+        return self.model.throughput(r.n_seq, r.n_tok)
+
+    def aggregate_throughput(self) -> float:
+        tp = self.model.throughput
+        return sum((tp(r.n_seq, r.n_tok) for r in self.replicas.values()), 0.0)
+
+    def n_sequences(self) -> int:
+        """Running plus waiting: N_Role^Seq of the planner."""
+        return sum(r.n_seq for r in self.replicas.values()) + len(self.queue)
+
+    def copy(self) -> "Scheduler":
+        twin = Scheduler(self.model, queue=self.queue.copy(), counter=self.counter,
+                         record_moves=self.record_moves)
+        twin.replicas = {rid: r.copy() for rid, r in self.replicas.items()}
+        return twin
+
+    # -- Algorithm 2 ---------------------------------------------------------------------
+    def abort(self, replica_id: str, which: AbortSpec = AbortSpec.ALL) -> list[Sequence]:
+        """Abort(r, d, Q): stop sequences on r and return them, state intact, to the queue."""
+        r = self._replica(replica_id)
+        if which is AbortSpec.ALL:
+            victims = [r.remove(sid) for sid in list(r.seqs)]
+        else:
+            shortest = r.shortest()
+            victims = [] if shortest is None else [r.remove(shortest.seq_id)]
+        self.queue.extend(victims)
+        return victims
+
+    def dispatch(self, replica_ids: Iterable[str] | None = None) -> list[Move]:
+        """Dispatch(Q, R): place queued sequences by largest ΔT_i; misfits stay queued."""
+        ids = list(self.replicas) if replica_ids is None else list(replica_ids)
+        index = DispatchIndex(self.model, [self._replica(rid) for rid in ids], self.counter)
+        return self._dispatch(index)
+
+    def _dispatch(self, index: DispatchIndex) -> list[Move]:
+        entries = self.queue.take_entries()
+        if not entries:
+            return []
+        moves: list[Move] = []
+        waiting: list = []
+        reps, best, moved = index.replicas, index.best, index.moved
+        record = self.record_moves
+        placed = 0
+        room = index.max_remaining()  # only ever over-estimates while Dispatch only adds
+        for entry in entries:
+            seq = entry[2]
+            length = seq.length
+            pos = None if length > room else best(length)
+            if pos is None:
+                if length <= room:
+                    room = index.max_remaining()
+                waiting.append(entry)
+                continue
+            r = reps[pos]
+            r.add(seq)
+            moved(pos)
+            placed += 1
+            if record:
+                moves.append(Move(seq.seq_id, None, r.replica_id))
+        self.queue.restore_entries(waiting)
+        if self.counter is not None:
+            self.counter.dispatched += placed
+        return moves
+
+    # -- Algorithm 3 ---------------------------------------------------------------------
+    def shift_down_migration(self, down_ids: Iterable[str]) -> MigrationResult:
+        """Abort everything on the shift-down replicas, remove them, Dispatch to the rest."""
+        down = list(down_ids)
+        result = MigrationResult(throughput_before=self.aggregate_throughput())
+        src: dict[int, str] = {}
+        for rid in down:
+            for seq in self.abort(rid, AbortSpec.ALL):
+                src[seq.seq_id] = rid
+                result.aborted.append(seq.seq_id)
+            self.remove_replica(rid)
+        result.moves = self.dispatch() if self.replicas else []
+        result.moves = [Move(m.seq_id, src.get(m.seq_id), m.dst) for m in result.moves]
+        result.queued = len(self.queue)
+        result.throughput_after = self.aggregate_throughput()
+        return result
+
+    # -- Algorithm 4 ---------------------------------------------------------------------
+    def shift_up_migration(self, new_replicas: Iterable[Replica], migrate: bool = True
+                           ) -> MigrationResult:
+        """Dispatch the queue onto R↑, then move shortest sequences off the max-throughput
+        replica while that raises aggregate throughput (`migrate=False`: vanilla, no loop)."""
+        up = list(new_replicas)
+        result = MigrationResult(throughput_before=self.aggregate_throughput())
+        for r in up:
+            self.add_replica(r)
+        result.moves = self.dispatch([r.replica_id for r in up]) if up else []
+        if migrate and not self.queue:  # migrate only if every waiting sequence found room
+            self._migrate_loop(result)
+        result.queued = len(self.queue)
+        result.throughput_after = self.aggregate_throughput()
+        return result
+
+    def _migrate_loop(self, result: MigrationResult) -> None:
+        reps = list(self.replicas.values())
+        index = DispatchIndex(self.model, reps, self.counter)
+        tp = self.model.throughput
+        thr = [tp(r.n_seq, r.n_tok) for r in reps]
+        total = sum(thr)
+        heap = [(-t, pos) for pos, t in enumerate(thr)]
+        heapq.heapify(heap)
+        ops = len(heap)
+        limit = sum(r.n_seq for r in reps)  # at most N^Seq migrations (appendix C.2)
+        while heap and result.iterations < limit:
+            neg, pos = heapq.heappop(heap)
+            ops += 1
+            if -neg != thr[pos]:
+                continue  # stale key: the replica's throughput changed since the push
+            src = reps[pos]
+            seq = src.shortest()
+            if seq is None:
+                break  # the max-throughput replica is empty: nothing left to move
+            # Try the move first and keep it only if aggregate throughput rises, so the
+            # procedure never ends below where it started (Algorithm 4, lines 11-15).
+            src.remove(seq.seq_id)
+            index.moved(pos)
+            dst = index.best(seq.length)
+            src_thr = tp(src.n_seq, src.n_tok)
+            if dst is None or dst == pos:
+                gain = 0.0
+            else:
+                d = reps[dst]
+                gain = tp(d.n_seq + 1, d.n_tok + seq.length) - thr[dst] + src_thr - thr[pos]
+            if gain <= 0.0:
+                src.add(seq)
+                index.moved(pos)
+                break
+            d = reps[dst]
+            d.add(seq)
+            index.moved(dst)
+            total += gain
+            thr[pos], thr[dst] = src_thr, tp(d.n_seq, d.n_tok)
+            heapq.heappush(heap, (-thr[pos], pos))
+            heapq.heappush(heap, (-thr[dst], dst))
+            ops += 2
+            if self.record_moves:
+                result.moves.append(Move(seq.seq_id, src.replica_id, d.replica_id))
+            result.iterations += 1
+        if self.counter is not None:
+            self.counter.heap_ops += ops
+            self.counter.migrations += result.iterations
+        log.debug("shift-up migration: %d moves, aggregate %.1f", result.iterations, total)
