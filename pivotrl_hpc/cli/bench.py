@@ -11,12 +11,10 @@ import sys
 
 # kind -> (module, help, pending issue or None)
 BENCHES: dict[str, tuple[str, str, str | None]] = {
-    "planner": ("pivotrl_hpc.cli.bench_planner", "planner latency vs cluster size",
-                "the scheduler/planner issue"),
-    "dispatch": ("pivotrl_hpc.cli.bench_dispatch", "Dispatch latency", "the scheduler/planner issue"),
-    "gps": ("pivotrl_hpc.cli.bench_gps", "GPS Read/Write/replicate bandwidth", "the GPS issue"),
-    "shift": ("pivotrl_hpc.cli.bench_shift", "shift up / shift down seconds per role",
-              "the engines issue"),
+    "planner": ("pivotrl_hpc.cli.bench_planner", "planner latency vs cluster size", None),
+    "dispatch": ("pivotrl_hpc.cli.bench_dispatch", "Dispatch latency", None),
+    "gps": ("pivotrl_hpc.cli.bench_gps", "GPS Read/Write/replicate bandwidth", None),
+    "shift": ("pivotrl_hpc.cli.bench_shift", "shift up / shift down seconds per role", None),
 }
 
 

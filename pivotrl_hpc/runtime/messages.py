@@ -1,0 +1,105 @@
+"""Commands the controller sends a device worker, and the worker's replies.
+
+Plain picklable dataclasses: they travel over MPI (`comm.send`) unchanged, and the trace
+records them. One command, one reply; a failed command still gets a reply.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from pivotrl_hpc.engines.vllm.types import Sampling
+
+
+class RoleKind(str, Enum):
+    IDLE = "idle"
+    ROLLOUT = "rollout"      # vLLM serving the policy
+    REWARD = "reward"        # vLLM serving the GenRM
+    TRAINING = "training"    # Megatron-Core training the policy
+
+
+# role -> the model whose parameters it Reads from GPS on shift up
+ROLE_MODEL = {RoleKind.ROLLOUT: "policy", RoleKind.REWARD: "genrm", RoleKind.TRAINING: "policy"}
+
+
+@dataclass(frozen=True)
+class ShiftUp:
+    role: RoleKind
+    replica: int = 0
+    version: int | None = None  # GPS version to Read; None = the current one
+
+
+@dataclass(frozen=True)
+class ShiftDown:
+    pass
+
+
+@dataclass(frozen=True)
+class SeqRequest:
+    seq_id: str
+    prompt_ids: tuple[int, ...]
+    generated_ids: tuple[int, ...] = ()   # tokens of earlier runs: resume, not restart
+    generated_logprobs: tuple[float, ...] = ()  # their behaviour logprobs (for training)
+    max_new_tokens: int = 64              # remaining budget
+    sampling: Sampling = field(default_factory=Sampling)
+
+    @classmethod
+    def resume(cls, aborted) -> "SeqRequest":
+        """Re-queue an aborted sequence (engines.vllm.types.AbortedSequence): same prompt,
+        the tokens so far and the remaining budget, so generation resumes (appendix C.1)."""
+        return cls(aborted.seq_id, tuple(aborted.prompt_ids), tuple(aborted.generated_ids),
+                   tuple(aborted.logprobs), aborted.max_new_tokens_remaining, aborted.sampling)
+
+
+@dataclass(frozen=True)
+class AddSequences:
+    seqs: tuple[SeqRequest, ...]
+
+
+@dataclass(frozen=True)
+class Step:
+    iterations: int = 1
+
+
+@dataclass(frozen=True)
+class Abort:
+    seq_ids: tuple[str, ...] | None = None  # None: Abort(All)
+
+
+@dataclass(frozen=True)
+class TrainStep:
+    batch: Any            # engines.megatron.batch.RolloutBatch
+    publish: bool = True  # GPS Write of the updated policy after the step
+
+
+@dataclass(frozen=True)
+class WaitWrite:
+    """Block until the last published policy version is replicated on every node."""
+    timeout_s: float = 300.0
+
+
+@dataclass(frozen=True)
+class QueryState:
+    pass
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    pass
+
+
+Command = (ShiftUp | ShiftDown | AddSequences | Step | Abort | TrainStep | WaitWrite
+           | QueryState | Shutdown)
+
+
+@dataclass
+class Reply:
+    command: str                      # the command's class name, for logs and the trace
+    ok: bool
+    role: RoleKind
+    replica: int
+    result: Any = None
+    phases: dict[str, float] = field(default_factory=dict)  # seconds per shift phase
+    error: str | None = None
+    seq_ids: tuple[str, ...] = ()     # sequences the worker held when the command failed
