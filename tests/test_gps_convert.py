@@ -46,7 +46,8 @@ def test_megatron_layout_tp2(tiny_models):
     g = qkv.view(groups, (qpg + 2) * hd, h)
     q = hf["model.layers.0.self_attn.q_proj.weight"].view(shape.num_kv_heads, qpg * hd, h)
     k = hf["model.layers.0.self_attn.k_proj.weight"].view(shape.num_kv_heads, hd, h)
-    assert torch.equal(g[0, : qpg * hd], q[groups]) and torch.equal(g[0, qpg * hd: (qpg + 1) * hd], k[groups])
+    assert torch.equal(g[0, : qpg * hd], q[groups])
+    assert torch.equal(g[0, qpg * hd: (qpg + 1) * hd], k[groups])
     fc1 = s1["decoder.layers.0.mlp.linear_fc1.weight"]
     half = shape.intermediate_size // 2
     assert torch.equal(fc1[:half], hf["model.layers.0.mlp.gate_proj.weight"][half:])

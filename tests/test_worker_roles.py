@@ -56,6 +56,10 @@ def test_failed_command_names_the_sequences_held(report):
     assert report["shutdown_requeued"] == ["h0", "h1"]  # nothing lost at shutdown either
 
 
+def test_no_shared_memory_left_behind(report):
+    assert not list(Path("/dev/shm").glob(f"pivotrl-{report['job']}-*"))
+
+
 def test_shift_phases_are_timed_by_context_kind(report):
     ph = report["phases"]
     assert {"parameters.read", "parameters.load", "total"} <= set(ph["rollout_up"])

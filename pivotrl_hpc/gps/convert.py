@@ -110,7 +110,8 @@ def hf_to_megatron(hf: Mapping[str, Tensor], shape: ModelShape, tp_rank: int, tp
             out[m + "self_attention.linear_qkv.bias"] = _grouped_qkv(
                 hf[a + "q_proj.bias"], hf[a + "k_proj.bias"], hf[a + "v_proj.bias"], shape,
                 groups)
-        out[m + "self_attention.linear_proj.weight"] = hf[a + "o_proj.weight"][:, cols_h].contiguous()
+        out[m + "self_attention.linear_proj.weight"] = \
+            hf[a + "o_proj.weight"][:, cols_h].contiguous()
         out[m + "pre_mlp_layernorm.weight"] = hf[p + "post_attention_layernorm.weight"]
         out[m + "mlp.linear_fc1.weight"] = torch.cat(
             [hf[p + "mlp.gate_proj.weight"][inter], hf[p + "mlp.up_proj.weight"][inter]])

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import threading
 
 from mpi4py import MPI
 
@@ -20,20 +19,14 @@ GREEDY = Sampling(temperature=0.0, ignore_eos=True)
 
 
 def worker(comm, models: str) -> None:
-    from pivotrl_hpc.gps.agent import AgentConfig, NodeAgent
-    from pivotrl_hpc.gps.client import GPSClient
-    from pivotrl_hpc.runtime.worker import DeviceWorker, WorkerSpec
+    from pivotrl_hpc.runtime.local import local_worker
+    from pivotrl_hpc.runtime.worker import WorkerSpec
 
-    job = f"wmpi{os.getppid()}"
-    agent = NodeAgent(AgentConfig(job=job, node="n0", models={"policy": f"{models}/policy"}))
-    agent.start()
-    threading.Thread(target=agent.serve_forever, daemon=True).start()
-    client = GPSClient(job, "n0")
     opts = EngineOptions(max_model_len=64, kv_cache_memory_bytes=16 * 2**20)
     spec = WorkerSpec(model_dirs={"policy": f"{models}/policy"},
                       engine_options={"policy": opts})
-    serve(comm, DeviceWorker(spec, client), controller=0)
-    client.shutdown_agent()
+    with local_worker(spec, job=f"wmpi{os.getppid()}") as w:
+        serve(comm, w, controller=0)
 
 
 def controller(comm, out: str) -> None:

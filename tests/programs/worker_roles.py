@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import threading
 
 os.environ.setdefault("RANK", "0")
 os.environ.setdefault("WORLD_SIZE", "1")
@@ -22,12 +21,11 @@ import torch  # noqa: E402
 from pivotrl_hpc.engines.megatron.batch import RolloutBatch  # noqa: E402
 from pivotrl_hpc.engines.megatron.trainer import OptimConfig, TrainerConfig  # noqa: E402
 from pivotrl_hpc.engines.vllm.types import EngineOptions, Sampling  # noqa: E402
-from pivotrl_hpc.gps.agent import AgentConfig, NodeAgent  # noqa: E402
-from pivotrl_hpc.gps.client import GPSClient  # noqa: E402
+from pivotrl_hpc.runtime.local import local_worker  # noqa: E402
 from pivotrl_hpc.runtime.messages import (  # noqa: E402
     AddSequences, QueryState, RoleKind, SeqRequest, ShiftDown, ShiftUp, Shutdown, Step,
     TrainStep, WaitWrite)
-from pivotrl_hpc.runtime.worker import DeviceWorker, WorkerSpec  # noqa: E402
+from pivotrl_hpc.runtime.worker import WorkerSpec  # noqa: E402
 
 GREEDY = Sampling(temperature=0.0, ignore_eos=True)
 PROMPTS = [[1, 20, 21, 5, 6, 27], [1, 22, 9, 9, 26], [1, 30, 31, 32, 7, 8, 9]]
@@ -69,17 +67,19 @@ def optimizer_state(worker) -> list[torch.Tensor]:
 
 
 def main(models: str, out_path: str) -> None:
-    job = f"wtest{os.getpid()}"
-    agent = NodeAgent(AgentConfig(job=job, node="n0", models={
-        "policy": f"{models}/policy", "genrm": f"{models}/genrm"}))
-    agent.start()
-    threading.Thread(target=agent.serve_forever, daemon=True).start()
-    client = GPSClient(job, "n0")
     opts = EngineOptions(max_model_len=128, kv_cache_memory_bytes=16 * 2**20)
     spec = WorkerSpec(model_dirs={"policy": f"{models}/policy", "genrm": f"{models}/genrm"},
                       engine_options={"policy": opts, "genrm": opts},
                       trainer_config=TrainerConfig(optim=OptimConfig(lr=1e-3, clip_grad=0)))
-    w = DeviceWorker(spec, client)
+    job = f"wtest{os.getpid()}"
+    with local_worker(spec, job=job) as w:
+        report = scenario(w)
+    report["job"] = job
+    with open(out_path, "w") as f:
+        json.dump(report, f, indent=1)
+
+
+def scenario(w) -> dict:
     import vllm  # noqa: F401 - preserved context: the idle baseline has the engines imported
 
     report: dict = {"rss_idle_mib": rss_mib(), "phases": {}}
@@ -159,9 +159,7 @@ def main(models: str, out_path: str) -> None:
     report["failure"] = {"ok": bad.ok, "command": bad.command, "seq_ids": list(bad.seq_ids),
                          "error": (bad.error or "").splitlines()[0]}
     report["shutdown_requeued"] = sorted(a.seq_id for a in ok(w.handle(Shutdown())).result)
-    client.shutdown_agent()
-    with open(out_path, "w") as f:
-        json.dump(report, f, indent=1)
+    return report
 
 
 if __name__ == "__main__":

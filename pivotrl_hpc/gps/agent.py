@@ -1,0 +1,392 @@
+"""The GPS node agent: one per node (MPI local rank 0), owner of that node's segments.
+
+Start-up: sweep stale segments of this job on this node, check memory (clear error naming the
+bytes needed and available), pick the replication-group size k (appendix B.1), create v0 of
+every model and read the owned tensors from the HF safetensors folder in parallel, publish v0
+in the control block, exchange NIXL metadata and segment addresses with the other agents.
+
+Then a single-threaded event loop, so no step ever blocks in C for long (a SIGTERM from
+`scancel` is handled within one loop turn and removes every segment):
+
+- workers on the node talk to it over a Unix socket (abstract name `pivotrl-<job>-<node>`,
+  newline-delimited JSON; see client.py for the requests). Reads need no message at all:
+  workers map the published version directly (control.py).
+- agents talk to each other over an MPI communicator (one rank per node, tag CTRL_TAG):
+  `segment` (address of a new version's segment), `have` (byte ranges a node's writers wrote),
+  `published`, `bye`, and the MPI transport's `mpi_get`.
+
+Write of version v: writers fill the new segment on their node and report the ranges; once the
+union of all nodes' ranges covers the model, every agent plans the all-to-all (plan.py) and
+pulls the ranges it lacks from the holders, publishes v locally, and tells the others. When
+every node has published, the writers' handles complete.
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import select
+import signal
+import socket
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pivotrl_hpc.gps import control
+from pivotrl_hpc.gps.layout import choose_group_size
+from pivotrl_hpc.gps.plan import LinkModel, PlanCache, Range, assign, merge_ranges, refine
+from pivotrl_hpc.gps.segment import (SHM_DIR, RawMap, check_memory, hf_header, load_into,
+                                     memory_available, segment_prefix, sweep)
+from pivotrl_hpc.gps.store import ModelStore
+from pivotrl_hpc.gps.transport import CTRL_TAG, Pending, make_transport
+
+log = logging.getLogger(__name__)
+
+
+def socket_address(job: str, node: str) -> str:
+    return "\0" + segment_prefix(job, node).rstrip("-")
+
+
+def control_path(job: str, node: str) -> Path:
+    return SHM_DIR / (segment_prefix(job, node) + "ctl")
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    job: str
+    node: str
+    models: dict[str, str]  # model name -> HF safetensors folder
+    budget_bytes: int | None = None  # per-node GPS budget; None = what shm/host memory allow
+    transport: str = "nixl"
+    links: LinkModel = field(default_factory=LinkModel)
+    load_threads: int = 4
+
+
+@dataclass
+class _Write:
+    model: str
+    version: int
+    holders: dict[int, list[Range]] = field(default_factory=dict)
+    fetches: list[Pending] | None = None
+    published: set[int] = field(default_factory=set)
+    waiters: list[socket.socket] = field(default_factory=list)
+
+
+class NodeAgent:
+    def __init__(self, cfg: AgentConfig, comm=None):
+        self.cfg, self.comm = cfg, comm
+        self.index = comm.rank if comm is not None else 0
+        self.n_nodes = comm.size if comm is not None else 1
+        self.stores: dict[str, ModelStore] = {}
+        self.writes: dict[tuple[str, int], _Write] = {}
+        self.seg_info: dict[tuple[int, str, int], dict] = {}
+        self.plans = PlanCache()
+        self.ctl: control.ControlBlock | None = None
+        self.transport = None
+        self._clients: dict[socket.socket, bytearray] = {}
+        self._fetches: list[tuple[socket.socket, list[Pending], RawMap]] = []
+        self._byes: set[int] = set()
+        self._stopping = False
+        self.closed = False
+
+    # ---- start-up -------------------------------------------------------------------------
+    def start(self) -> None:
+        sweep(self.cfg.job, self.cfg.node)
+        # also when the hosting process ends without serve_forever's cleanup (an exception,
+        # or the agent in a daemon thread of a process that simply returns)
+        atexit.register(self.close)
+        budget = self.cfg.budget_bytes or int(min(memory_available()) * 0.9)
+        headers = {m: hf_header(Path(f), {})[0] for m, f in self.cfg.models.items()}
+        sizes = [[t.nbytes for t in h.tensors.values()] for h in headers.values()]
+        k = choose_group_size(sizes, self.n_nodes, budget)
+        for m, f in self.cfg.models.items():
+            self.stores[m] = ModelStore.from_folder(m, Path(f), self.cfg.job, self.cfg.node,
+                                                    self.index, self.n_nodes, k)
+        need = sum(s.owned_bytes() for s in self.stores.values())
+        need += max(s.owned_bytes() for s in self.stores.values())  # one Write in flight
+        check_memory(need, f"{len(self.stores)} models on node {self.cfg.node} (k={k})")
+        self._install_signals()
+        for store in self.stores.values():
+            seg = store.new_version(0)
+            n = load_into(seg, store.source, store.owned_names, self.cfg.load_threads)
+            log.info("GPS %s v0 on %s: %d bytes loaded (k=%d)", store.model, self.cfg.node, n, k)
+        if self.comm is not None:
+            self.transport = make_transport(self.cfg.transport, self.comm, self.index)
+            mine = {m: self._expose(m, 0) for m in self.stores}
+            for node, infos in enumerate(self.comm.allgather(mine)):
+                for m, info in infos.items():
+                    self.seg_info[(node, m, 0)] = info
+                    if node != self.index:
+                        self.transport.learn(node, info)
+        self._listen()
+        # The control block appears last: a client that finds it finds a served v0.
+        self.ctl = control.ControlBlock(control_path(self.cfg.job, self.cfg.node), create=True,
+                                        group_size=k)
+        for store in self.stores.values():
+            store.publish(self.ctl, 0)
+
+    def _install_signals(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        log.warning("GPS agent on %s got signal %d: removing segments", self.cfg.node, signum)
+        self.close()
+        os._exit(128 + signum)  # no MPI_Finalize: the other ranks are being killed too
+
+    def _listen(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind(socket_address(self.cfg.job, self.cfg.node))
+        self.sock.listen(64)
+        self.sock.setblocking(False)
+
+    def _expose(self, model: str, version: int) -> dict:
+        seg = self.stores[model].versions[version]
+        return self.transport.expose((model, version), seg._u8)
+
+    # ---- event loop -----------------------------------------------------------------------
+    def serve_forever(self) -> None:
+        try:
+            while not self._done():
+                self.step()
+        finally:
+            self.close()
+
+    def _done(self) -> bool:
+        return self._stopping and len(self._byes) >= self.n_nodes and not self._fetches
+
+    def step(self, timeout: float = 0.002) -> None:
+        self._poll_clients(timeout)
+        if self.comm is not None:
+            self._poll_peers()
+            self.transport.progress()
+        self._advance_writes()
+        self._advance_fetches()
+        for store in self.stores.values():
+            retire = None if self.transport is None else \
+                (lambda v, m=store.model: self.transport.withdraw((m, v)))
+            store.collect(self.ctl, on_retire=retire)
+
+    def _poll_clients(self, timeout: float) -> None:
+        ready, _, _ = select.select([self.sock, *self._clients], [], [], timeout)
+        for s in ready:
+            if s is self.sock:
+                conn, _ = self.sock.accept()
+                self._clients[conn] = bytearray()
+                continue
+            try:
+                data = s.recv(1 << 20)
+            except OSError:  # a worker died mid-request: its connection just goes
+                data = b""
+            if not data:
+                self._clients.pop(s, None)
+                s.close()
+                continue
+            buf = self._clients[s]
+            buf += data
+            while b"\n" in buf:
+                line, _, rest = bytes(buf).partition(b"\n")
+                buf[:] = rest
+                try:
+                    self._handle_client(s, json.loads(line))
+                except Exception as e:  # noqa: BLE001 - a bad request must not stop the node
+                    log.exception("GPS request failed")
+                    self._reply(s, {"op": "error", "error": f"{type(e).__name__}: {e}"})
+
+    def _reply(self, conn: socket.socket, msg: dict) -> None:
+        try:
+            conn.sendall(json.dumps(msg).encode() + b"\n")
+        except OSError:
+            log.debug("client went away before its reply")
+
+    def _poll_peers(self) -> None:
+        from mpi4py import MPI
+        status = MPI.Status()
+        while self.comm.iprobe(source=MPI.ANY_SOURCE, tag=CTRL_TAG, status=status):
+            src = status.Get_source()
+            msg = self.comm.recv(source=src, tag=CTRL_TAG)
+            try:
+                self._handle_peer(src, msg)
+            except ValueError:  # a report about a version this node already finished
+                log.error("peer message %r from agent %d ignored", msg.get("op"), src,
+                          exc_info=True)
+
+    def _broadcast(self, msg: dict) -> None:
+        for node in range(self.n_nodes):
+            if node != self.index:
+                self.comm.send(msg, dest=node, tag=CTRL_TAG)
+
+    # ---- requests -------------------------------------------------------------------------
+    def _handle_client(self, conn: socket.socket, msg: dict) -> None:
+        op = msg["op"]
+        if op == "begin_write":
+            w = self._write_for(msg["model"], msg.get("version"))
+            self._reply(conn, {"op": "begin_write", "version": w.version,
+                               "path": str(self.stores[w.model].versions[w.version].path)})
+        elif op == "written":
+            w = self._write_for(msg["model"], msg["version"])
+            ranges = [tuple(r) for r in msg["ranges"]]
+            w.holders[self.index] = merge_ranges(w.holders.get(self.index, []) + ranges)
+            if conn not in w.waiters:
+                w.waiters.append(conn)
+            if self.comm is not None:
+                self._broadcast({"op": "have", "model": w.model, "version": w.version,
+                                 "ranges": ranges})
+            self._reply(conn, {"op": "written", "version": w.version})
+        elif op == "fetch":
+            self._start_fetch(conn, msg)
+        elif op == "ping":
+            self._reply(conn, {"op": "ping", "node": self.cfg.node, "index": self.index,
+                               "n_nodes": self.n_nodes})
+        elif op == "shutdown":
+            self._reply(conn, {"op": "shutdown"})
+            self._stopping = True
+            self._byes.add(self.index)
+            if self.comm is not None:
+                self._broadcast({"op": "bye"})
+        else:
+            self._reply(conn, {"op": "error", "error": f"unknown request {op!r}"})
+
+    def _handle_peer(self, src: int, msg: dict) -> None:
+        op = msg["op"]
+        if op == "segment":
+            self.seg_info[(src, msg["model"], msg["version"])] = msg["info"]
+            self.transport.learn(src, msg["info"])
+        elif op == "have":
+            w = self._write_for(msg["model"], msg["version"])
+            got = [tuple(r) for r in msg["ranges"]]
+            w.holders[src] = merge_ranges(w.holders.get(src, []) + got)
+        elif op == "published":
+            self._write_for(msg["model"], msg["version"]).published.add(src)
+        elif op == "mpi_get":
+            self.transport.serve(src, msg)
+        elif op == "bye":
+            self._byes.add(src)
+        else:
+            log.error("unknown peer message %r from agent %d", op, src)
+
+    def _write_for(self, model: str, version: int | None) -> _Write:
+        store = self.stores[model]
+        if version is None:  # the pending write of this model, or the next version
+            pending = [w for (m, _), w in self.writes.items()
+                       if m == model and self.index not in w.published]
+            version = pending[0].version if pending else (store.current or 0) + 1
+        w = self.writes.get((model, version))
+        if w is None and store.current is not None and version <= store.current:
+            raise ValueError(f"{model} v{version} is already published on {self.cfg.node}; "
+                             f"one Write per model at a time, each after the previous completed")
+        if w is None:
+            w = self.writes[(model, version)] = _Write(model, version)
+            store.new_version(version)
+            if self.comm is not None:
+                info = self._expose(model, version)
+                self._broadcast({"op": "segment", "model": model, "version": version,
+                                 "info": info})
+        return w
+
+    # ---- replication of a Write --------------------------------------------------------------
+    def _advance_writes(self) -> None:
+        for key, w in list(self.writes.items()):
+            store = self.stores[w.model]
+            if w.fetches is None and self._covered(w):
+                w.fetches = self._replicate(w)
+            if w.fetches is not None and self.index not in w.published \
+                    and all(p.done() for p in w.fetches):
+                store.publish(self.ctl, w.version)
+                w.published.add(self.index)
+                if self.comm is not None:
+                    self._broadcast({"op": "published", "model": w.model, "version": w.version})
+                log.info("GPS %s v%d published on %s", w.model, w.version, self.cfg.node)
+            if len(w.published) == self.n_nodes:
+                store.drop_unowned(w.version)
+                for conn in w.waiters:
+                    self._reply(conn, {"op": "replicated", "model": w.model,
+                                       "version": w.version})
+                del self.writes[key]
+
+    def _covered(self, w: _Write) -> bool:
+        data_len = self.stores[w.model].header.total_bytes - \
+            self.stores[w.model].header.data_start
+        union = merge_ranges([r for rs in w.holders.values() for r in rs])
+        return union == [(0, data_len)]
+
+    def _replicate(self, w: _Write) -> list[Pending]:
+        """Plan the all-to-all for this version and start pulling what this node lacks."""
+        store = self.stores[w.model]
+        holders = {n: list(rs) for n, rs in sorted(w.holders.items())}
+        signature = ("write", w.model, tuple((n, tuple(rs)) for n, rs in holders.items()),
+                     self.n_nodes, store.ownership.k)
+
+        def build():
+            targets = {n: store.owned_ranges(n) for n in range(self.n_nodes)}
+            return assign(refine(holders, targets), self.cfg.links)
+
+        plan = self.plans.get(signature, build)
+        seg = store.versions[w.version]
+        return self._pull(w.model, w.version, [t for t in plan if t.dst == self.index],
+                          lambda a, b: seg.bytes_view(a, b), seg.header.data_start)
+
+    def _pull(self, model: str, version: int, transfers, local_view, data_start: int):
+        by_src: dict[int, list] = {}
+        for t in transfers:
+            by_src.setdefault(t.src, []).append((data_start + t.start, local_view(t.start, t.stop)))
+        return [self.transport.fetch(src, (model, version), self.seg_info[(src, model, version)],
+                                     pieces) for src, pieces in sorted(by_src.items())]
+
+    # ---- remote part of a Read under the hybrid layout --------------------------------------
+    def _start_fetch(self, conn: socket.socket, msg: dict) -> None:
+        """Pull `items` (data byte ranges of `version`) into the client's staging segment."""
+        model, version = msg["model"], msg["version"]
+        store = self.stores[model]
+        items = [tuple(r) for r in msg["items"]]
+        dest = RawMap(Path(msg["dest"]))
+        dest_off, pos = {}, 0
+        for a, b in items:
+            dest_off[a] = (pos, b)
+            pos += b - a
+        holders = {n: store.owned_ranges(n) for n in range(self.n_nodes)}
+        signature = ("read", model, msg.get("place"), tuple(items), self.index)
+        plan = self.plans.get(signature, lambda: assign(
+            refine(holders, {self.index: items}), self.cfg.links))
+
+        def view(a: int, b: int):
+            start = max(x for x in dest_off if x <= a)
+            off = dest_off[start][0] + (a - start)
+            return dest._u8[off: off + (b - a)]
+
+        pending = self._pull(model, version, plan, view, store.header.data_start) \
+            if plan else []
+        self._fetches.append((conn, pending, dest))
+
+    def _advance_fetches(self) -> None:
+        still = []
+        for conn, pending, dest in self._fetches:
+            if all(p.done() for p in pending):
+                dest.close()
+                self._reply(conn, {"op": "fetched", "bytes": sum(p.nbytes for p in pending)})
+            else:
+                still.append((conn, pending, dest))
+        self._fetches = still
+
+    # ---- shutdown -------------------------------------------------------------------------
+    def close(self) -> None:
+        """Remove every segment of this node (also the control block): idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        for store in self.stores.values():
+            store.close(unlink=True)
+        sweep(self.cfg.job, self.cfg.node)
+        if self.ctl is not None:
+            self.ctl.close()
+        if self.transport is not None:
+            try:
+                self.transport.close()
+            except Exception:  # noqa: BLE001 - best effort at exit; segments are gone already
+                log.debug("transport close failed", exc_info=True)
+        sock = getattr(self, "sock", None)
+        if sock is not None:
+            sock.close()

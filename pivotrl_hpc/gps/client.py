@@ -1,0 +1,347 @@
+"""GPSClient: what device workers use. Read(M, G, P), Write(M, G, P), pins.
+
+Read needs no message to the agent: the client takes a consistent snapshot of the model's
+versions from the control block (seqlock), pins the current version with a shared `flock` on
+its segment file, and slices the tensors its place needs straight out of the mapping (one
+copy, or zero-copy views while the caller holds the pin). Under the hybrid layout the tensors
+this node does not hold are pulled by the agent into a private staging segment first.
+
+Write sends `begin_write` (the agent answers with the new version's segment), copies this
+rank's slices into it, sends `written` with the byte ranges it filled and returns a
+`WriteHandle` at once; the handle completes when every node has published the version.
+
+One client per process and thread; requests over the socket are answered in order, and the
+`replicated` notices of writes are kept until their handle asks.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from pivotrl_hpc.gps import control
+from pivotrl_hpc.gps.agent import control_path, socket_address
+from pivotrl_hpc.gps.convert import megatron_shard_to_hf_slices
+from pivotrl_hpc.gps.layout import (VOCAB_PARALLEL, ParallelPlace, byte_ranges,
+                                    covering_range, hybrid_owner, target_index)
+from pivotrl_hpc.gps.plan import merge_ranges
+from pivotrl_hpc.gps.segment import DTYPES, SHM_DIR, Header, Segment, itemsize, segment_name
+from pivotrl_hpc.gps.shapes import ModelShape
+from pivotrl_hpc.gps.tensors import copy_into as _copy
+from pivotrl_hpc.gps.tensors import to_megatron
+
+log = logging.getLogger(__name__)
+
+
+class Pin:
+    """A pinned version: its segment stays mapped and unrecycled until `release()`."""
+
+    def __init__(self, model: str, version: int, seg: Segment, fd: int):
+        self.model, self.version, self.segment, self._fd = model, version, seg, fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            control.unlock(self._fd)
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> "Pin":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+@dataclass
+class WriteHandle:
+    """Completes when every node has published `version`; the caller overlaps with it."""
+    client: "GPSClient | None"
+    model: str
+    version: int
+    _done: bool = False
+
+    def done(self) -> bool:
+        if not self._done and self.client is not None:
+            self._done = self.client._take_replicated(self.model, self.version, timeout=0.0)
+        return self._done or self.client is None
+
+    def wait(self, timeout: float = 300.0) -> int:
+        if not self.done():
+            if not self.client._take_replicated(self.model, self.version, timeout=timeout):
+                raise TimeoutError(f"Write of {self.model} v{self.version} not replicated "
+                                   f"after {timeout} s")
+            self._done = True
+        return self.version
+
+
+class GPSClient:
+    def __init__(self, job: str, node: str, *, wait_s: float = 60.0):
+        self.job, self.node = job, node
+        deadline = time.monotonic() + wait_s
+        path = control_path(job, node)
+        while True:
+            try:
+                self.ctl = control.ControlBlock(path)
+                break
+            except (FileNotFoundError, RuntimeError, ValueError):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no GPS node agent for job {job} on {node} ({path})")
+                time.sleep(0.05)
+        self._sock: socket.socket | None = None
+        self._buf = b""
+        self._notices: set[tuple[str, int]] = set()
+        self._headers: dict[str, tuple[Header, ModelShape]] = {}
+        self._node_index: int | None = None
+        self._maps: dict[tuple[str, int, int], Segment] = {}
+
+    # ---- versions and pins ------------------------------------------------------------------
+    def state(self, model: str) -> control.ModelState:
+        return self.ctl.state(model)
+
+    def pin(self, model: str, version: int | None = None) -> Pin:
+        """Pin `version` (default: the current one) so it is neither freed nor recycled."""
+        while True:
+            st = self.ctl.state(model)
+            v = st.current if version is None else version
+            if v is None or v not in st.live:
+                raise LookupError(f"{model} v{version} is not live on {self.node} "
+                                  f"(live: {st.live})")
+            path = SHM_DIR / segment_name(self.job, self.node, model, v)
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                continue  # retired between the snapshot and the open: take a new snapshot
+            control.lock_shared(fd)
+            live = self.ctl.state(model).live
+            if v in live:
+                return Pin(model, v, self._mapping(model, v, path, fd, live), fd)
+            control.unlock(fd)
+            os.close(fd)
+
+    def _mapping(self, model: str, v: int, path: Path, fd: int, live) -> Segment:
+        """Mappings are kept per (model, version, inode): a worker that Reads the same
+        version again copies without re-mapping (page-table setup is a large part of a cold
+        Read). Mappings of versions no longer live are dropped at this client's next pin of
+        the model (or `close()`); until then a retired, unlinked version stays mapped here."""
+        for key in [k for k in self._maps if k[0] == model and k[1] not in live]:
+            self._maps.pop(key).close()
+        key = (model, v, os.fstat(fd).st_ino)
+        seg = self._maps.get(key)
+        if seg is None:
+            seg = self._maps[key] = Segment.attach(path, fd=fd,
+                                                   populate=self.ctl.group_size == 1)
+        return seg
+
+    def wait_version(self, model: str, version: int, timeout: float = 60.0) -> int:
+        deadline = time.monotonic() + timeout
+        while (cur := self.ctl.state(model).current) is None or cur < version:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{model} v{version} not published on {self.node}")
+            time.sleep(0.002)
+        return cur
+
+    def shape(self, model: str, seg: Segment | None = None) -> ModelShape:
+        """The model's shape, from the HF config stored in its segments' metadata."""
+        if model not in self._headers:
+            if seg is None:
+                with self.pin(model) as p:
+                    return self.shape(model, p.segment)
+            cfg = json.loads(seg.header.metadata["config"])
+            self._headers[model] = (seg.header, ModelShape.from_hf_config(cfg))
+        return self._headers[model][1]
+
+    # ---- Read ------------------------------------------------------------------------------
+    def read(self, model: str, place: ParallelPlace = ParallelPlace(), version: int | None = None,
+             *, layout: str = "hf", copy: bool = True, out: Mapping[str, Tensor] | None = None,
+             pin: Pin | None = None, padded_vocab_size: int | None = None) -> dict[str, Tensor]:
+        """Read(M, G, P): exactly the slices `place` needs, HF names (`layout="hf"`, what vLLM
+        loads) or this TP rank's Megatron shard (`layout="megatron"`).
+
+        `copy=False` returns zero-copy views, valid while the caller holds `pin`; `out`
+        receives the slices in preallocated tensors (e.g. an engine's own parameters).
+        """
+        if layout not in ("hf", "megatron"):
+            raise ValueError(f"unknown layout {layout!r} (hf or megatron)")
+        if not copy and pin is None:
+            raise ValueError("zero-copy reads need a pin held by the caller")
+        own_pin = pin is None
+        pin = pin or self.pin(model, version)
+        try:
+            return self._read_pinned(model, pin, place, layout, copy, out, padded_vocab_size)
+        finally:
+            if own_pin:
+                pin.release()
+
+    def _read_pinned(self, model, pin, place, layout, copy, out, padded_vocab_size):
+        seg = pin.segment
+        shape = self.shape(model, seg)
+        wanted = {}
+        for name, info in seg.header.tensors.items():
+            idx = target_index(name, info.shape, shape, place)
+            if layout == "megatron" and name in VOCAB_PARALLEL and padded_vocab_size:
+                rows = padded_vocab_size // place.tp_size  # Megatron's split of the padding
+                idx = (slice(min(place.tp_rank * rows, info.shape[0]),
+                             min((place.tp_rank + 1) * rows, info.shape[0])), slice(None))
+            if idx is not None:
+                wanted[name] = idx
+        sources = self._remote_sources(model, pin, wanted) if self.ctl.group_size > 1 else {}
+        res: dict[str, Tensor] = {}
+        for name, idx in wanted.items():
+            src = sources.get(name)
+            view = seg.tensor(name)[idx] if src is None else src
+            if out is not None and name in out:
+                res[name] = _copy(out[name], view)
+            elif copy or src is not None:
+                # torch-allocated: consumers may free parameters by resizing storages to 0
+                res[name] = _copy(torch.empty(view.shape, dtype=view.dtype), view)
+            else:
+                res[name] = view
+        if layout == "megatron":
+            return to_megatron(res, shape, place, padded_vocab_size)
+        return res
+
+    def _remote_sources(self, model: str, pin: Pin, wanted: dict) -> dict[str, Tensor]:
+        """Hybrid layout: have the agent pull the tensors this node lacks into staging."""
+        infos = pin.segment.header.tensors
+        k = self.ctl.group_size
+        mine = self._ping()["index"] % k
+        owner = hybrid_owner(list(infos.values()), k)
+        remote = {n: covering_range(infos[n], idx, itemsize(infos[n].dtype))
+                  for n, idx in wanted.items() if owner[n] != mine}
+        items = merge_ranges([r for r in remote.values() if r[1] > r[0]])
+        if not items:
+            return {}
+        total = sum(b - a for a, b in items)
+        stage = SHM_DIR / f"pivotrl-{self.job}-{self.node}-stage-{os.getpid()}"
+        fd = os.open(stage, os.O_CREAT | os.O_TRUNC | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, total)
+            self._request({"op": "fetch", "model": model, "version": pin.version,
+                           "items": items, "dest": str(stage)}, "fetched")
+            raw = torch.frombuffer(bytearray(os.pread(fd, total, 0)), dtype=torch.uint8)
+        finally:
+            os.close(fd)
+            stage.unlink(missing_ok=True)
+        starts, pos = [], 0
+        for a, b in items:
+            starts.append((a, pos))
+            pos += b - a
+        out = {}
+        for name, (lo, hi) in remote.items():
+            a, base = max((x for x in starts if x[0] <= lo), default=(lo, 0))
+            info = infos[name]
+            row_bytes = info.nbytes // info.shape[0]
+            r0 = (lo - info.start) // row_bytes
+            rows = raw[base + lo - a: base + hi - a].view(DTYPES[info.dtype])
+            rows = rows.view(-1, *info.shape[1:])
+            idx = wanted[name]
+            first = slice(*idx[0].indices(info.shape[0])[:2])
+            out[name] = rows[(slice(first.start - r0, first.stop - r0), *idx[1:])]
+        return out
+
+    # ---- Write -----------------------------------------------------------------------------
+    def write(self, model: str, shard: Mapping[str, Tensor], place: ParallelPlace,
+              *, layout: str = "megatron") -> WriteHandle:
+        """Write(M, G, P): this rank's shard into the next version; returns at memory speed.
+
+        `layout="megatron"`: a Megatron-Core state-dict shard of TP rank `place.tp_rank`;
+        `layout="hf"`: HF-named tensors sliced as `read` returns them for `place`. Only DP
+        rank 0 writes (DP replicas hold the same weights); other ranks get a done handle.
+        """
+        if place.dp_rank != 0:
+            return WriteHandle(None, model, -1, True)
+        shape = self.shape(model)
+        if layout == "megatron":
+            slices = megatron_shard_to_hf_slices(shard, shape, place.tp_rank, place.tp_size)
+        elif layout == "hf":
+            dims = {n: i.shape for n, i in self._headers[model][0].tensors.items()}
+            slices = [(n, target_index(n, dims[n], shape, place), t) for n, t in shard.items()]
+        else:
+            raise ValueError(f"unknown layout {layout!r} (hf or megatron)")
+        reply = self._request({"op": "begin_write", "model": model}, "begin_write")
+        version = reply["version"]
+        seg = Segment.attach(Path(reply["path"]), writable=True,
+                             populate=self.ctl.group_size == 1)
+        ranges = []
+        try:
+            for name, index, values in slices:
+                info = seg.header.tensors[name]
+                _copy(seg.tensor(name)[index], values)
+                ranges += byte_ranges(info, index, itemsize(info.dtype))
+        finally:
+            seg.close()
+        self._request({"op": "written", "model": model, "version": version,
+                       "ranges": merge_ranges(ranges)}, "written")
+        return WriteHandle(self, model, version)
+
+    # ---- socket ------------------------------------------------------------------------------
+    def _connect(self) -> socket.socket:
+        if self._sock is None:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(socket_address(self.job, self.node))
+            self._sock = s
+        return self._sock
+
+    def _recv_msg(self, timeout: float | None) -> dict | None:
+        sock = self._connect()
+        while b"\n" not in self._buf:
+            sock.settimeout(timeout)
+            try:
+                data = sock.recv(1 << 16)
+            except (socket.timeout, BlockingIOError):
+                return None
+            if not data:
+                raise ConnectionError(f"GPS agent on {self.node} closed the connection")
+            self._buf += data
+        line, _, self._buf = self._buf.partition(b"\n")
+        return json.loads(line)
+
+    def _request(self, msg: dict, expect: str) -> dict:
+        self._connect().sendall(json.dumps(msg).encode() + b"\n")
+        while True:
+            reply = self._recv_msg(None)
+            if reply["op"] == "replicated":
+                self._notices.add((reply["model"], reply["version"]))
+            elif reply["op"] == "error":
+                raise RuntimeError(f"GPS agent: {reply['error']}")
+            elif reply["op"] == expect:
+                return reply
+
+    def _take_replicated(self, model: str, version: int, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while (model, version) not in self._notices:
+            left = deadline - time.monotonic()
+            reply = self._recv_msg(max(left, 1e-4) if timeout else 1e-4)
+            if reply is None:
+                if left <= 0:
+                    return False
+                continue
+            if reply["op"] == "replicated":
+                self._notices.add((reply["model"], reply["version"]))
+        return True  # notices stay: several handles of one client may share a version
+
+    def _ping(self) -> dict:
+        if self._node_index is None:
+            self._node_index = self._request({"op": "ping"}, "ping")["index"]
+        return {"index": self._node_index}
+
+    def shutdown_agent(self) -> None:
+        """Ask this node's agent to leave its loop once every agent has been asked."""
+        self._request({"op": "shutdown"}, "shutdown")
+
+    def close(self) -> None:
+        for seg in self._maps.values():
+            seg.close()
+        self._maps.clear()
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        self.ctl.close()

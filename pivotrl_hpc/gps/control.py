@@ -1,0 +1,131 @@
+"""The node's control segment: per model the current version and the live versions, behind a
+seqlock; and version pins as `flock` shared locks on the segment files.
+
+Layout of `pivotrl-<job>-<node>-ctl` (4 KiB): a 64-byte head (magic, agent pid, group size
+k), then one 256-byte slot per model: name (64 B), seq (u64), current+1 (u64), 16 live
+versions+1 (u64 each; 0 = empty). Only the node agent writes; it bumps `seq` to odd, writes,
+bumps to even (a seqlock). Readers retry while `seq` is odd or changed under them, so they never
+act on a half-updated slot. x86 keeps stores in program order, and CPython performs the
+`struct.pack_into` stores in order, which is all a single-writer seqlock needs.
+
+Pin protocol (why readers never see a mix of versions, and freed memory is never read):
+reader: read (current, live) -> open the segment file of `current` -> flock(LOCK_SH) ->
+re-read live -> if the version is still live it is pinned, else unlock and retry. Agent, to
+free or recycle a version: flock(LOCK_EX | LOCK_NB) on its own descriptor -> mark it not live
+-> unlink or rename the file -> unlock. The kernel drops a dead reader's lock, so `kill -9` of
+a reader leaves nothing pinned and nothing corrupt (readers map read-only).
+"""
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import struct
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+MAGIC = 0x5350474C52544F56  # "VOTRLGPS"
+SIZE = 4096
+_HEAD = 64
+_SLOT = 256
+MAX_MODELS = (SIZE - _HEAD) // _SLOT
+MAX_LIVE = 16
+_NAME = 64
+
+
+@dataclass(frozen=True)
+class ModelState:
+    current: int | None
+    live: tuple[int, ...]
+
+
+class ControlBlock:
+    """Attach to (or, for the agent, create) the node's control segment."""
+
+    def __init__(self, path: Path, create: bool = False, group_size: int = 1):
+        self.path = Path(path)
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = os.open(self.path, flags, 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, SIZE)
+            self.mm = mmap.mmap(fd, SIZE)
+        finally:
+            os.close(fd)
+        if create:
+            struct.pack_into("<QQQ", self.mm, 0, MAGIC, os.getpid(), group_size)
+        elif struct.unpack_from("<Q", self.mm, 0)[0] != MAGIC:
+            raise RuntimeError(f"{self.path} is not a GPS control segment")
+
+    @property
+    def agent_pid(self) -> int:
+        return struct.unpack_from("<Q", self.mm, 8)[0]
+
+    @property
+    def group_size(self) -> int:
+        return struct.unpack_from("<Q", self.mm, 16)[0]
+
+    def models(self) -> list[str]:
+        out = []
+        for i in range(MAX_MODELS):
+            raw = bytes(self.mm[_HEAD + i * _SLOT: _HEAD + i * _SLOT + _NAME]).rstrip(b"\0")
+            if raw:
+                out.append(raw.decode())
+        return out
+
+    def _slot(self, model: str, create: bool = False) -> int:
+        key = model.encode()
+        for i in range(MAX_MODELS):
+            off = _HEAD + i * _SLOT
+            raw = bytes(self.mm[off: off + _NAME]).rstrip(b"\0")
+            if raw == key:
+                return off
+            if not raw and create:
+                self.mm[off: off + _NAME] = key.ljust(_NAME, b"\0")
+                return off
+        raise KeyError(f"model {model!r} is not in the GPS control segment {self.path}")
+
+    def state(self, model: str) -> ModelState:
+        """Consistent snapshot of a model's versions (seqlock read)."""
+        off = self._slot(model)
+        fmt = f"<QQ{MAX_LIVE}Q"
+        while True:
+            vals = struct.unpack_from(fmt, self.mm, off + _NAME)
+            if vals[0] & 1:
+                time.sleep(0)
+                continue
+            if struct.unpack_from("<Q", self.mm, off + _NAME)[0] == vals[0]:
+                cur = vals[1] - 1 if vals[1] else None
+                return ModelState(cur, tuple(sorted(v - 1 for v in vals[2:] if v)))
+
+    def publish(self, model: str, current: int | None, live: tuple[int, ...]) -> None:
+        """Agent only: set the current version and the live set in one seqlock write."""
+        if len(live) > MAX_LIVE:
+            raise RuntimeError(f"more than {MAX_LIVE} live versions of {model}")
+        off = self._slot(model, create=True) + _NAME
+        (seq,) = struct.unpack_from("<Q", self.mm, off)
+        struct.pack_into("<Q", self.mm, off, seq + 1)
+        padded = [v + 1 for v in live] + [0] * (MAX_LIVE - len(live))
+        struct.pack_into(f"<Q{MAX_LIVE}Q", self.mm, off + 8,
+                         0 if current is None else current + 1, *padded)
+        struct.pack_into("<Q", self.mm, off, seq + 2)
+
+    def close(self) -> None:
+        self.mm.close()
+
+
+def lock_shared(fd: int) -> None:
+    fcntl.flock(fd, fcntl.LOCK_SH)
+
+
+def try_lock_exclusive(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+
+
+def unlock(fd: int) -> None:
+    fcntl.flock(fd, fcntl.LOCK_UN)

@@ -1,0 +1,163 @@
+"""One node's versions of one model: segments, ownership under the hybrid layout, recycling.
+
+The node agent owns a `ModelStore` per model. A version's segment is created (or recycled from
+a retired version of the same model: its pages are already touched, so writing runs at memory
+speed instead of page-fault speed), filled, then published in the control block. Retired
+versions are freed or recycled only when no reader pins them (see control.py).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import mmap
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pivotrl_hpc.gps import control
+from pivotrl_hpc.gps.layout import hybrid_owner
+from pivotrl_hpc.gps.plan import Range, merge_ranges
+from pivotrl_hpc.gps.segment import SHM_DIR, Header, Segment, hf_header, segment_name
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Ownership:
+    """Hybrid layout (appendix B.1): node i holds tensors whose owner == i % k."""
+    k: int
+    n_nodes: int
+    owner: dict[str, int]
+
+    def holders(self, name: str) -> list[int]:
+        return [i for i in range(self.n_nodes) if i % self.k == self.owner[name]]
+
+    def owned(self, node_index: int) -> set[str]:
+        return {n for n, o in self.owner.items() if o == node_index % self.k}
+
+
+@dataclass
+class ModelStore:
+    model: str
+    job: str
+    node: str
+    node_index: int
+    header: Header
+    ownership: Ownership
+    source: dict[str, tuple[Path, int]] = field(default_factory=dict)
+    versions: dict[int, Segment] = field(default_factory=dict)
+    current: int | None = None
+    spare: list[Segment] = field(default_factory=list)
+
+    @classmethod
+    def from_folder(cls, model: str, folder: Path, job: str, node: str, node_index: int,
+                    n_nodes: int, k: int) -> "ModelStore":
+        config = (Path(folder) / "config.json").read_text()
+        header, where = hf_header(Path(folder), {"model": model, "config": json.dumps(
+            json.loads(config), separators=(",", ":"))})
+        own = Ownership(k, n_nodes, hybrid_owner(list(header.tensors.values()), k))
+        return cls(model, job, node, node_index, header, own, where)
+
+    @property
+    def owned_names(self) -> set[str]:
+        return self.ownership.owned(self.node_index)
+
+    def owned_ranges(self, node_index: int | None = None) -> list[Range]:
+        i = self.node_index if node_index is None else node_index
+        names = self.ownership.owned(i)
+        return merge_ranges([(t.start, t.stop) for t in self.header.tensors.values()
+                             if t.name in names])
+
+    def owned_bytes(self) -> int:
+        return sum(b - a for a, b in self.owned_ranges())
+
+    def path(self, version: int) -> Path:
+        return SHM_DIR / segment_name(self.job, self.node, self.model, version)
+
+    def new_version(self, version: int) -> Segment:
+        """A segment for `version`: a recycled spare renamed into place, or a fresh one."""
+        if version in self.versions:
+            return self.versions[version]
+        path = self.path(version)
+        if self.spare:
+            seg = self.spare.pop()
+            os.rename(seg.path, path)
+            seg.path = path
+        else:
+            seg = Segment.create(path, self.header)
+        self.versions[version] = seg
+        return seg
+
+    def live(self) -> tuple[int, ...]:
+        return tuple(sorted(v for v in self.versions if self.current is not None
+                            and v <= self.current))
+
+    def publish(self, ctl: control.ControlBlock, version: int) -> None:
+        """Make `version` current on this node."""
+        self.current = version if self.current is None else max(self.current, version)
+        ctl.publish(self.model, self.current, self.live())
+
+    def drop_unowned(self, version: int) -> None:
+        """Hybrid layout, once every node has the version: free the tensors others hold."""
+        if self.ownership.k > 1 and version in self.versions:
+            self._drop_unowned(self.versions[version])
+
+    def collect(self, ctl: control.ControlBlock, keep_spare: int = 1,
+                on_retire=None) -> list[int]:
+        """Free or recycle every old version no reader pins; return the versions retired.
+
+        `on_retire(version)` runs before the memory goes (e.g. to deregister it from NIXL)."""
+        retired = []
+        # Hybrid layout: readers on other nodes fetch from this node's copy without pinning
+        # it, so the previous version stays until the next one replaces the current (a Read
+        # pinned at v then has a whole RL step, until v+2 is published, to finish).
+        keep_from = None if self.current is None else self.current - (self.ownership.k > 1)
+        for v in sorted(self.versions):
+            if keep_from is None or v >= keep_from:
+                continue
+            seg = self.versions[v]
+            if not control.try_lock_exclusive(seg.fd):
+                continue  # pinned by a reader: try again later
+            try:
+                del self.versions[v]
+                ctl.publish(self.model, self.current, self.live())
+                if on_retire is not None:
+                    on_retire(v)
+                if len(self.spare) < keep_spare:
+                    spare_path = SHM_DIR / (self.path(v).name + ".spare")
+                    os.rename(seg.path, spare_path)
+                    seg.path = spare_path
+                    self.spare.append(seg)
+                else:
+                    seg.path.unlink(missing_ok=True)
+            finally:
+                control.unlock(seg.fd)
+            if seg not in self.spare:
+                os.close(seg.fd)
+                seg.close()
+            retired.append(v)
+        return retired
+
+    def _drop_unowned(self, seg: Segment) -> None:
+        """Punch out pages of tensors another node of the group holds (tmpfs frees them)."""
+        page = mmap.PAGESIZE
+        owned = self.owned_ranges()
+        base = seg.header.data_start
+        pos = 0
+        for a, b in owned + [(self.header.total_bytes - base, 0)]:
+            lo = -(-(base + pos) // page) * page
+            hi = (base + a) // page * page
+            if hi > lo:
+                seg.mm.madvise(mmap.MADV_REMOVE, lo, hi - lo)
+            pos = max(pos, b)
+
+    def close(self, unlink: bool = True) -> None:
+        for seg in list(self.versions.values()) + self.spare:
+            if unlink:
+                seg.path.unlink(missing_ok=True)
+            if seg.fd is not None:
+                os.close(seg.fd)
+                seg.fd = None
+            seg.close()
+        self.versions.clear()
+        self.spare.clear()

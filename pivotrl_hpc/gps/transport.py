@@ -1,0 +1,189 @@
+"""Point-to-point byte movement between node agents: NIXL over UCX, MPI as the fallback.
+
+Both are pull-based: the receiving agent fetches byte ranges of a peer's exposed buffer into a
+local buffer. NIXL READs are one-sided (the holder's CPU does nothing); the MPI fallback sends
+a small request on the agents' control channel and the holder answers with `Isend`s from its
+event loop. Agent metadata for NIXL is exchanged once with an MPI allgather.
+
+Set `UCX_MODULES=^ib,rdmacm` on machines without InfiniBand (every NIXL process segfaults at
+exit otherwise); `make_transport` sets it when unset.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+CTRL_TAG = 71
+_DATA_TAG0 = 1000
+_MAX_MSG = 1 << 30  # MPI counts are ints: move big ranges in 1 GiB pieces
+
+
+@dataclass
+class Pending:
+    """One fetch in flight; `done()` polls it."""
+    poll: Any
+    nbytes: int
+    _done: bool = False
+    keep: list = field(default_factory=list)
+
+    def done(self) -> bool:
+        if not self._done:
+            self._done = bool(self.poll())
+        return self._done
+
+
+class MPITransport:
+    """Fallback: request over the control channel, data by Isend/Irecv."""
+    name = "mpi"
+
+    def __init__(self, comm):
+        self.comm = comm
+        self.exposed: dict[Any, np.ndarray] = {}
+        self._next_tag = _DATA_TAG0
+        self._sending: list = []
+
+    def expose(self, key, buf: np.ndarray) -> dict:
+        self.exposed[key] = buf
+        return {}
+
+    def withdraw(self, key) -> None:
+        self.exposed.pop(key, None)
+
+    def learn(self, peer: int, info: dict) -> None:
+        pass
+
+    def fetch(self, peer: int, key, info: dict, pieces: list[tuple[int, np.ndarray]]) -> Pending:
+        from mpi4py import MPI
+        reqs, asks = [], []
+        for off, dst in pieces:
+            for lo in range(0, dst.size, _MAX_MSG):
+                part = dst[lo: lo + _MAX_MSG]
+                tag = self._tag()
+                reqs.append(self.comm.Irecv([part, MPI.BYTE], source=peer, tag=tag))
+                asks.append((off + lo, part.size, tag))
+        self.comm.send({"op": "mpi_get", "key": key, "asks": asks}, dest=peer, tag=CTRL_TAG)
+        return Pending(lambda: MPI.Request.Testall(reqs), sum(d.size for _, d in pieces))
+
+    def serve(self, src: int, msg: dict) -> None:
+        from mpi4py import MPI
+        buf = self.exposed[msg["key"]]
+        for off, n, tag in msg["asks"]:
+            self._sending.append(self.comm.Isend([buf[off: off + n], MPI.BYTE], dest=src, tag=tag))
+        self._sending = [r for r in self._sending if not r.Test()]
+
+    def progress(self) -> None:
+        if self._sending:
+            self._sending = [r for r in self._sending if not r.Test()]
+
+    def _tag(self) -> int:
+        self._next_tag = _DATA_TAG0 + (self._next_tag - _DATA_TAG0 + 1) % 30000
+        return self._next_tag
+
+    def close(self) -> None:
+        for r in self._sending:
+            r.Wait()
+
+
+class NIXLTransport:
+    """NIXL agent per node agent; exposed buffers registered as DRAM, READ from peers."""
+    name = "nixl"
+
+    def __init__(self, comm, node_index: int):
+        self.comm = comm
+        self.me = f"gps{node_index}"
+        try:
+            from nixl._api import nixl_agent, nixl_agent_config
+            self.agent = nixl_agent(self.me, nixl_agent_config(backends=["UCX"]))
+            err = ""
+        except Exception as e:  # noqa: BLE001 - reported collectively below
+            err = f"{type(e).__name__}: {e}"
+        errors = [x for x in comm.allgather(err) if x]
+        if errors:  # every node agrees on the transport, or the allgathers would mismatch
+            raise RuntimeError(errors[0])
+        metas = comm.allgather(self.agent.get_agent_metadata())
+        self.peers = {}
+        for i, meta in enumerate(metas):
+            if i != comm.rank:
+                self.peers[i] = self.agent.add_remote_agent(meta)
+        self.regs: dict[Any, Any] = {}
+        self.spans: dict[Any, tuple[int, int]] = {}
+
+    def expose(self, key, buf: np.ndarray) -> dict:
+        if key not in self.regs:
+            self.regs[key] = self.agent.register_memory([(buf.ctypes.data, buf.size, 0, "")],
+                                                        "DRAM")
+            self.spans[key] = (buf.ctypes.data, buf.size)
+        # Peers need our metadata again after every registration (it carries the new keys).
+        return {"addr": buf.ctypes.data, "meta": self.agent.get_agent_metadata()}
+
+    def learn(self, peer: int, info: dict) -> None:
+        if "meta" in info:
+            self.agent.add_remote_agent(info["meta"])
+
+    def withdraw(self, key) -> None:
+        reg = self.regs.pop(key, None)
+        self.spans.pop(key, None)
+        if reg is not None:
+            self.agent.deregister_memory(reg)
+
+    def fetch(self, peer: int, key, info: dict, pieces: list[tuple[int, np.ndarray]]) -> Pending:
+        keep = []
+        for _, dst in pieces:  # staging buffers are registered for the fetch's lifetime
+            if not self._registered(dst):
+                keep.append(self.agent.register_memory([(dst.ctypes.data, dst.size, 0, "")],
+                                                       "DRAM"))
+        local = self.agent.get_xfer_descs([(d.ctypes.data, d.size, 0) for _, d in pieces], "DRAM")
+        remote = self.agent.get_xfer_descs([(info["addr"] + off, d.size, 0) for off, d in pieces],
+                                           "DRAM")
+        handle = self.agent.initialize_xfer("READ", local, remote, self.peers[peer], b"")
+        state = self.agent.transfer(handle)
+        if state == "ERR":
+            raise RuntimeError(f"NIXL READ from peer {peer} failed to start")
+
+        def poll() -> bool:
+            st = self.agent.check_xfer_state(handle)
+            if st == "ERR":
+                raise RuntimeError(f"NIXL READ from peer {peer} failed")
+            if st == "DONE":
+                self.agent.release_xfer_handle(handle)
+                for reg in keep:
+                    self.agent.deregister_memory(reg)
+                return True
+            return False
+
+        return Pending(poll, sum(d.size for _, d in pieces), keep=keep)
+
+    def _registered(self, dst: np.ndarray) -> bool:
+        a = dst.ctypes.data
+        return any(lo <= a and a + dst.size <= lo + n for lo, n in self.spans.values())
+
+    def serve(self, src: int, msg: dict) -> None:
+        raise RuntimeError("NIXL transport got an MPI data request")
+
+    def progress(self) -> None:
+        # Over TCP, UCX emulates one-sided READs with active messages: the holder's worker
+        # must be progressed too, and polling notifications does that.
+        self.agent.get_new_notifs()
+
+    def close(self) -> None:
+        for key in list(self.regs):
+            self.withdraw(key)
+
+
+def make_transport(kind: str, comm, node_index: int):
+    """`nixl` (falls back to MPI when NIXL cannot start) or `mpi`."""
+    if kind == "nixl":
+        os.environ.setdefault("UCX_MODULES", "^ib,rdmacm")
+        try:
+            return NIXLTransport(comm, node_index)
+        except Exception as e:  # noqa: BLE001 - any NIXL/UCX start failure means: use MPI
+            log.warning("NIXL unavailable (%s); GPS uses the MPI transport", e)
+    elif kind != "mpi":
+        raise ValueError(f"unknown GPS transport {kind!r} (nixl or mpi)")
+    return MPITransport(comm)
