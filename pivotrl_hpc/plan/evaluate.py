@@ -1,10 +1,12 @@
 """Planner step 4 (§7.3): estimate a candidate's throughput by migration simulation.
 
-Each role is replayed with the scheduler's own Algorithms 3 and 4 on a copy of its state:
-shift-down replicas abort everything and the rest receive it; shift-up replicas take the
-queue and then pull sequences while aggregate throughput rises. The shift-up result depends
-only on how many replicas come up (§7.2), so it is cached per count; shift-down results are
-cached per set. Overall throughput is the weighted harmonic mean of Eq. (1).
+Each role is replayed with the scheduler's own Algorithms 3 and 4: shift-down replicas abort
+everything and the rest receive it; shift-up replicas take the queue and then pull
+sequences while aggregate throughput rises. `RoleReplay` does it on a copy of the role's
+Scheduler; `FastRole` (plan.simulate, the default) reaches the same floats for far less. The
+shift-up result depends only on how many replicas come up (§7.2), so it is cached per
+count; shift-down results are cached per set. Overall throughput is the weighted harmonic
+mean of Eq. (1).
 """
 from __future__ import annotations
 
@@ -12,7 +14,9 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
 
-from pivotrl_hpc.plan.snapshot import GEN_ROLES, REWARD, ROLLOUT, TRAINING_ID, WorkloadSnapshot
+from pivotrl_hpc.plan.simulate import FastRole
+from pivotrl_hpc.plan.snapshot import (GEN_ROLES, REWARD, ROLLOUT, TRAINING_ID, ReplicaState,
+                                       RolePool, WorkloadSnapshot)
 from pivotrl_hpc.sched.model import ReplicaThroughput
 from pivotrl_hpc.sched.scheduler import Scheduler
 from pivotrl_hpc.sched.state import Replica, Sequence, WaitingQueue
@@ -41,25 +45,51 @@ class Estimate:
         return {"rollout": self.rollout, "reward": self.reward, "overall": self.overall}
 
 
+class RoleReplay:
+    """The straightforward simulation of one role: copy its Scheduler and run Algorithm 3
+    or 4 on the copy. `FastRole` (plan.simulate) must agree with it bitwise."""
+
+    def __init__(self, model: ReplicaThroughput, replicas: list[ReplicaState],
+                 pool: RolePool) -> None:
+        waiting = WaitingQueue()
+        waiting.extend(Sequence(s.seq_id, s.prompt_tokens, s.generated_tokens)
+                       for s in pool.queue)
+        reps = [Replica(r.replica_id, r.kv_capacity,
+                        [Sequence(s.seq_id, s.prompt_tokens, s.generated_tokens)
+                         for s in r.sequences]) for r in replicas]
+        self.base = Scheduler(model, reps, waiting, record_moves=False)
+        self.pool = pool
+        self.now = self.base.aggregate_throughput()
+
+    def shift_up(self, count: int, migrate: bool = True) -> float:
+        sched = self.base.copy()
+        new = [Replica(f"{self.pool.role}+{i}", self.pool.kv_capacity) for i in range(count)]
+        return sched.shift_up_migration(new, migrate=migrate).throughput_after
+
+    def shift_down(self, down: Iterable[str]) -> float:
+        sched = self.base.copy()
+        ids = set(down)
+        return sched.shift_down_migration([r for r in sched.replicas if r in ids]
+                                          ).throughput_after
+
+
 class MigrationSimulator:
-    """Replays shift-time migration for candidate plans on one snapshot."""
+    """Replays shift-time migration for candidate plans on one snapshot.
+
+    `replay=True` uses the straightforward `RoleReplay`, the reference `FastRole` is
+    tested against."""
 
     def __init__(self, snap: WorkloadSnapshot,
-                 model_of: Callable[[str], ReplicaThroughput], migrate: bool = True) -> None:
+                 model_of: Callable[[str], ReplicaThroughput], migrate: bool = True,
+                 replay: bool = False) -> None:
         self.snap = snap
         self.migrate = migrate
-        self.base: dict[str, Scheduler] = {}
-        for role in GEN_ROLES:
-            queue = WaitingQueue()
-            queue.extend(Sequence(s.seq_id, s.prompt_tokens, s.generated_tokens)
-                         for s in snap.roles[role].queue)
-            reps = [Replica(r.replica_id, r.kv_capacity,
-                            [Sequence(s.seq_id, s.prompt_tokens, s.generated_tokens)
-                             for s in r.sequences]) for r in snap.role_replicas(role)]
-            self.base[role] = Scheduler(model_of(role), reps, queue, record_moves=False)
+        kind = RoleReplay if replay else FastRole
+        self.roles = {role: kind(model_of(role), snap.role_replicas(role), snap.roles[role])
+                      for role in GEN_ROLES}
         self.counts = {role: snap.role_sequences(role) for role in GEN_ROLES}
         self.role_of = {r.replica_id: r.role for r in snap.replicas}
-        self._now = {role: s.aggregate_throughput() for role, s in self.base.items()}
+        self._now = {role: sim.now for role, sim in self.roles.items()}
         self._up: dict[tuple[str, int], float] = {}
         self._down: dict[tuple[str, frozenset[str]], float] = {}
         self.simulations = 0
@@ -74,19 +104,14 @@ class MigrationSimulator:
     def shift_up_throughput(self, role: str, count: int) -> float:
         key = (role, count)
         if key not in self._up:
-            sched = self.base[role].copy()
-            cap = self.snap.roles[role].kv_capacity
-            new = [Replica(f"{role}+{i}", cap) for i in range(count)]
-            self._up[key] = sched.shift_up_migration(new, migrate=self.migrate).throughput_after
+            self._up[key] = self.roles[role].shift_up(count, self.migrate)
             self.simulations += 1
         return self._up[key]
 
     def shift_down_throughput(self, role: str, down: frozenset[str]) -> float:
         key = (role, down)
         if key not in self._down:
-            sched = self.base[role].copy()
-            order = [rid for rid in sched.replicas if rid in down]
-            self._down[key] = sched.shift_down_migration(order).throughput_after
+            self._down[key] = self.roles[role].shift_down(down)
             self.simulations += 1
         return self._down[key]
 

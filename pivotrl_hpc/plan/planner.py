@@ -14,7 +14,10 @@ model, so model bias cancels in the benefit. `explain` returns every step's resu
 
 Cost: steps 1-3 are O(I + K·I); step 4 replays one migration per candidate, so a decision
 is O(K · N^Seq) Dispatch placements (each O(buckets · log I), see sched.index): quadratic in
-cluster size when K and N^Seq both grow with it (`pivotrl bench planner`).
+cluster size when K and N^Seq both grow with it (`pivotrl bench planner`). The replay works
+on plain counts (plan.simulate) rather than Scheduler copies; it cannot be warm-started from
+candidate k to k+1 exactly, because the replicas a larger candidate also shifts down are the
+least loaded, so Dispatch fills them from its first placements on.
 """
 from __future__ import annotations
 
@@ -91,6 +94,7 @@ class PlanReport:
 
 class PivotPlanner:
     name = "shiftable"
+    replay = False  # True: step 4 by plain Scheduler replay (the reference; same result)
 
     def __init__(self, params: PlannerParams | None = None) -> None:
         self.params = params or PlannerParams()
@@ -122,7 +126,7 @@ class PivotPlanner:
     def evaluate(self, snap: WorkloadSnapshot, role: str, pairs: list[ShiftPair],
                  candidates: list[Candidate]) -> tuple[Estimate, list[CandidateEval]]:
         """Step 4: migration simulation and B = H·(T_cand − T_cur) − φ."""
-        sim = MigrationSimulator(snap, self.model_of(snap), self.params.migrate)
+        sim = MigrationSimulator(snap, self.model_of(snap), self.params.migrate, self.replay)
         current = sim.current()
         out = []
         for cand in candidates:
