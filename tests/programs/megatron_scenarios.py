@@ -145,8 +145,9 @@ def main() -> None:
     t0 = time.perf_counter()
     shape = ModelShape.from_hf_config(model_dir)
     cfg = TrainerConfig(model=ModelBuildConfig(tp_size=tp),
-                        optim=OptimConfig(lr=2e-4, clip_grad=1.0,
-                                                          use_distributed_optimizer=distopt), micro_batch_size=2)
+                        optim=OptimConfig(lr=5e-5, clip_grad=1.0,
+                                          use_distributed_optimizer=distopt),
+                        micro_batch_size=2)
     tr = MegatronTrainer(shape, cfg)
     res: dict = {"rank": rank, "tp": tp, "layout": vars(tr.layout), "distopt": distopt,
                  "optimizer_class": type(tr.optimizer).__name__,
