@@ -3,17 +3,19 @@
 Prints the five steps (shift-up role with every role's τ, shift pairs with penalties, every
 candidate with count, penalty, estimated throughput and benefit, the chosen plan) as one JSON
 object with --json, else as a table. Planner parameters come from the snapshot's
-`meta.planner` when present (what the live run used), overridable here.
+`meta.planner` when present (what the live run used), overridable here. `--workers N`
+evaluates the candidates on N processes (same result; only pays on large snapshots).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from pivotrl_hpc.plan import (POLICIES, PivotPlanner, PlannerParams, PlanReport,
-                              SnapshotError, WorkloadSnapshot, make_policy)
+                              SnapshotError, WorkloadSnapshot, make_policy, parallel)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -26,6 +28,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="shift duration of a shifting-down replica of ROLE; repeatable")
     p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
                    help="parameter of a non-planner policy (e.g. rollout_gpus=8); repeatable")
+    p.add_argument("--workers", type=int, default=1,
+                   help="processes evaluating the planner's candidates (default 1: none)")
 
 
 def _policy_params(items: list[str]) -> dict:
@@ -86,11 +90,18 @@ def _plan_line(plan) -> str:
     return f"shift down [{', '.join(plan.shift_down)}] -> shift up [{ups}]"
 
 
+def _explain(snap: WorkloadSnapshot, params: PlannerParams, workers: int) -> PlanReport:
+    if workers <= 1:
+        return PivotPlanner(params).explain(snap)
+    with ProcessPoolExecutor(workers, **parallel.share(snap)) as pool:
+        return PivotPlanner(params, executor=pool, chunks=workers).explain(snap)
+
+
 def main(args: argparse.Namespace) -> int:
     try:
         snap = WorkloadSnapshot.from_dict(json.loads(args.snapshot.read_text()))
         if args.policy == "shiftable":
-            report = PivotPlanner(_params(snap, args)).explain(snap)
+            report = _explain(snap, _params(snap, args), args.workers)
             out = report.to_dict()
         else:
             plan = make_policy(args.policy, _policy_params(args.param)).decide(snap)

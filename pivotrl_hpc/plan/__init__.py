@@ -1,4 +1,5 @@
 """Resource-shifting planner (paper §7, appendix D) and allocation policies (§8): pure logic."""
+from pivotrl_hpc.plan import parallel
 from pivotrl_hpc.plan.dp import Candidate, construct_candidates
 from pivotrl_hpc.plan.evaluate import Estimate, MigrationSimulator, harmonic_throughput
 from pivotrl_hpc.plan.pairs import ShiftPair, prepare_shift_pairs, select_shift_up_role

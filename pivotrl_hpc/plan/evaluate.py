@@ -17,7 +17,7 @@ from typing import Callable, Iterable, Mapping
 from pivotrl_hpc.plan.simulate import FastRole
 from pivotrl_hpc.plan.snapshot import (GEN_ROLES, REWARD, ROLLOUT, TRAINING_ID, ReplicaState,
                                        RolePool, WorkloadSnapshot)
-from pivotrl_hpc.sched.model import ReplicaThroughput
+from pivotrl_hpc.sched.model import BinaryThroughputModel, ReplicaThroughput
 from pivotrl_hpc.sched.scheduler import Scheduler
 from pivotrl_hpc.sched.state import Replica, Sequence, WaitingQueue
 
@@ -33,6 +33,15 @@ def harmonic_throughput(loads: Iterable[tuple[int, float]]) -> float:
         n_total += n
         time_total += n / t
     return n_total / time_total if n_total else 0.0
+
+
+def role_models(snap: WorkloadSnapshot, binary: bool = False
+                ) -> Callable[[str], ReplicaThroughput]:
+    """Each role's throughput model: the snapshot's, or T in {0, 1} (vanilla planner)."""
+    if binary:
+        model = BinaryThroughputModel()
+        return lambda role: model
+    return lambda role: snap.roles[role].model
 
 
 @dataclass(frozen=True)
@@ -93,6 +102,11 @@ class MigrationSimulator:
         self._up: dict[tuple[str, int], float] = {}
         self._down: dict[tuple[str, frozenset[str]], float] = {}
         self.simulations = 0
+
+    def __getstate__(self) -> dict:
+        """What plan.parallel ships to a worker: the replay state, without the snapshot
+        (not needed once the roles are built) and without cached results."""
+        return self.__dict__ | {"snap": None, "_up": {}, "_down": {}, "simulations": 0}
 
     def current(self) -> Estimate:
         return self._estimate(self._now)

@@ -17,7 +17,9 @@ is O(K · N^Seq) Dispatch placements (each O(buckets · log I), see sched.index)
 cluster size when K and N^Seq both grow with it (`pivotrl bench planner`). The replay works
 on plain counts (plan.simulate) rather than Scheduler copies; it cannot be warm-started from
 candidate k to k+1 exactly, because the replicas a larger candidate also shifts down are the
-least loaded, so Dispatch fills them from its first placements on.
+least loaded, so Dispatch fills them from its first placements on. Candidates are
+independent, though, so with an `executor` step 4 runs in parallel chunks (plan.parallel),
+bitwise as sequentially; below `min_parallel_work` it stays sequential.
 """
 from __future__ import annotations
 
@@ -25,13 +27,13 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from pivotrl_hpc.plan import parallel
 from pivotrl_hpc.plan.dp import Candidate, construct_candidates
-from pivotrl_hpc.plan.evaluate import Estimate, MigrationSimulator, benefit
+from pivotrl_hpc.plan.evaluate import Estimate, MigrationSimulator, benefit, role_models
 from pivotrl_hpc.plan.pairs import (RoleChoice, ShiftPair, ThroughputOf, prepare_shift_pairs,
                                     select_shift_up_role, training_pair)
 from pivotrl_hpc.plan.snapshot import TRAINING, WorkloadSnapshot
 from pivotrl_hpc.plan.types import ReplicaSpec, ShiftPlan
-from pivotrl_hpc.sched.model import BinaryThroughputModel
 
 
 def _default_tau_shift() -> dict[str, float]:
@@ -96,15 +98,19 @@ class PivotPlanner:
     name = "shiftable"
     replay = False  # True: step 4 by plain Scheduler replay (the reference; same result)
 
-    def __init__(self, params: PlannerParams | None = None) -> None:
+    def __init__(self, params: PlannerParams | None = None, executor: Any = None,
+                 chunks: int = 4, min_parallel_work: int = parallel.PARALLEL_MIN_WORK
+                 ) -> None:
+        """`executor`: optional `map(fn, items)` provider (e.g. a ProcessPoolExecutor) for
+        step 4, in `chunks` chunks (best: its worker count); None runs it sequentially."""
         self.params = params or PlannerParams()
+        self.executor = executor
+        self.chunks = max(1, chunks)
+        self.min_parallel_work = min_parallel_work
 
     # -- the steps, public so the benchmark can time them --------------------------------
     def model_of(self, snap: WorkloadSnapshot):
-        if self.params.binary_throughput:
-            binary = BinaryThroughputModel()
-            return lambda role: binary
-        return lambda role: snap.roles[role].model
+        return role_models(snap, self.params.binary_throughput)
 
     def throughput_of(self, snap: WorkloadSnapshot) -> ThroughputOf:
         if self.params.binary_throughput:
@@ -126,16 +132,31 @@ class PivotPlanner:
     def evaluate(self, snap: WorkloadSnapshot, role: str, pairs: list[ShiftPair],
                  candidates: list[Candidate]) -> tuple[Estimate, list[CandidateEval]]:
         """Step 4: migration simulation and B = H·(T_cand − T_cur) − φ."""
-        sim = MigrationSimulator(snap, self.model_of(snap), self.params.migrate, self.replay)
-        current = sim.current()
-        out = []
-        for cand in candidates:
-            up, down = _materialise(role, pairs, cand)
-            est = sim.estimate(role, 0 if role == TRAINING else cand.k, down)
-            out.append(CandidateEval(cand, up, down, est,
-                                     benefit(self.params.horizon_s, current.overall,
-                                             est.overall, cand.penalty)))
-        return current, out
+        shifts = [_materialise(role, pairs, cand) for cand in candidates]
+        counts = [0 if role == TRAINING else cand.k for cand in candidates]
+        jobs = [(k, down) for k, (_, down) in zip(counts, shifts)]
+        if self.use_parallel(snap, len(candidates)):
+            config = (self.params.migrate, self.params.binary_throughput, self.replay)
+            current, ests = parallel.estimate_all(self.executor, snap, config, role, jobs,
+                                                  self.chunks)
+        else:
+            sim = MigrationSimulator(snap, self.model_of(snap), self.params.migrate,
+                                     self.replay)
+            current = sim.current()
+            ests = [sim.estimate(role, k, down) for k, down in jobs]
+        return current, [CandidateEval(cand, up, down, est,
+                                       benefit(self.params.horizon_s, current.overall,
+                                               est.overall, cand.penalty))
+                         for cand, (up, down), est in zip(candidates, shifts, ests)]
+
+    def use_parallel(self, snap: WorkloadSnapshot, n_candidates: int) -> bool:
+        """Parallel only when it pays: an executor, 2+ candidates and K·N^Seq large enough
+        that process hand-offs are small next to the simulations."""
+        if self.executor is None or self.chunks < 2 or n_candidates < 2:
+            return False
+        work = n_candidates * (sum(len(r.sequences) for r in snap.replicas)
+                               + sum(len(p.queue) for p in snap.roles.values()))
+        return work >= self.min_parallel_work
 
     # -- the whole procedure -------------------------------------------------------------
     def explain(self, snap: WorkloadSnapshot) -> PlanReport:

@@ -68,10 +68,10 @@ class VanillaPlanner(PivotPlanner):
 
     name = "vanilla"
 
-    def __init__(self, params: PlannerParams | None = None) -> None:
+    def __init__(self, params: PlannerParams | None = None, **parallel: Any) -> None:
         p = params or PlannerParams()
         super().__init__(PlannerParams(p.horizon_s, dict(p.tau_shift), migrate=False,
-                                       binary_throughput=True))
+                                       binary_throughput=True), **parallel)
 
 
 @dataclass
