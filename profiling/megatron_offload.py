@@ -1,6 +1,6 @@
 """Measure the trainer's shift-down / shift-up (offload / reload) on a given HF policy.
 
-Usage: python tests/programs/megatron_offload_bench.py MODEL_DIR [--repeats 3] [--seq 64]
+Usage: python profiling/megatron_offload.py MODEL_DIR [--repeats 3] [--seq 64]
 Single process, TP=1 (CPU: gloo + shim; GPU: NCCL, pinned host buffers). Prints one JSON
 object: bytes per category, seconds per phase (median of the repeats), host GB/s, the step
 time, and the process RSS before / during / after the offload.
