@@ -45,8 +45,20 @@ def test_training_shift_keeps_optimizer_state_bitwise(report):
     assert report["version_after_step"] == 1
 
 
+def test_training_params_are_discarded_and_read_back_from_gps(report):
+    assert report["params_freed_on_down"] is True  # stateless: no host copy
+    assert report["params_bitwise_equal"] is True  # GPS Read gives them back exactly
+    assert not any(k.startswith("offloadable.offload.params") and v > 0.5
+                   for k, v in report["phases"]["training_down"].items())
+
+
+def test_unpublished_training_step_survives_a_shift(report):
+    assert report["unpublished_step_kept"] is True
+    assert report["version_after_second_publish"] == 2
+
+
 def test_rollout_after_training_reads_the_new_policy(report):
-    assert report["rollout_version"] == 1 and report["tokens_changed"] is True
+    assert report["rollout_version"] == 2 and report["tokens_changed"] is True
 
 
 def test_failed_command_names_the_sequences_held(report):

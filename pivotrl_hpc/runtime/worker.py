@@ -56,6 +56,9 @@ class DeviceWorker:
         self.trainer = None                  # MegatronTrainer (process groups preserved)
         self.version: int | None = None      # policy version last Read or written
         self.pending_write = None            # GPS WriteHandle of the last published step
+        self._params_in_gps = False          # the trainer's params equal a GPS version:
+        self._trainer_version: int | None = None  # ... this one
+        self._params_discarded = False       # ... and were dropped on shift down
         self._handlers: dict[type, Callable[[Any], Any]] = {
             ShiftUp: self._shift_up, ShiftDown: self._shift_down, AddSequences: self._add,
             Step: self._step, Abort: self._abort, TrainStep: self._train_step,
@@ -103,7 +106,10 @@ class DeviceWorker:
         place = (self.spec.training_place if cmd.role == RoleKind.TRAINING
                  else self.spec.inference_place)
         t0 = time.perf_counter()
-        weights = self.store.read(model, place, cmd.version)
+        version = cmd.version
+        if version is None and cmd.role == RoleKind.TRAINING and self._params_discarded:
+            version = self._trainer_version  # exactly the params the trainer dropped
+        weights = self.store.read(model, place, version)
         phases = {phase(ContextKind.PARAMETERS, "read"): time.perf_counter() - t0}
         if cmd.role == RoleKind.TRAINING:
             phases.update(self._training_up(weights))
@@ -111,7 +117,9 @@ class DeviceWorker:
             phases.update(self._inference_up(model, weights))
         self.role, self.replica = cmd.role, cmd.replica
         if model == "policy":
-            self.version = cmd.version if cmd.version is not None else _current(self.store, model)
+            self.version = version if version is not None else _current(self.store, model)
+            if cmd.role == RoleKind.TRAINING and self._trainer_version is None:
+                self._trainer_version = self.version
         phases["total"] = time.perf_counter() - t0
         log.info("shift up -> %s[%d] in %.2f s", cmd.role.value, cmd.replica, phases["total"])
         return None, phases
@@ -139,12 +147,18 @@ class DeviceWorker:
             shape = ModelShape.from_hf_config(self.spec.model_dirs["policy"])
             self.trainer = MegatronTrainer(shape, self.spec.trainer_config)
             phases[phase(ContextKind.PRESERVED, "build")] = time.perf_counter() - t0
+            first = True
         else:
             for k, v in self.trainer.reload().items():
                 phases[phase(ContextKind.OFFLOADABLE, f"reload.{k}")] = v
-        t0 = time.perf_counter()
-        self.trainer.load_hf(weights)
-        phases[phase(ContextKind.PARAMETERS, "load")] = time.perf_counter() - t0
+            first = False
+        if first or self._params_discarded:
+            t0 = time.perf_counter()
+            # On a re-shift-up the fp32 main params came back from host: keep them as master.
+            self.trainer.load_hf(weights, refresh_main_params=first)
+            phases[phase(ContextKind.PARAMETERS, "load")] = time.perf_counter() - t0
+            self._params_in_gps = True
+        self._params_discarded = False
         return phases
 
     def _shift_down(self, _cmd: ShiftDown) -> tuple[Any, dict[str, float]]:
@@ -153,8 +167,7 @@ class DeviceWorker:
         t0 = time.perf_counter()
         requeue: list = []
         if self.role == RoleKind.TRAINING:
-            raw = self.trainer.offload(include_params=True)
-            phases = {phase(ContextKind.OFFLOADABLE, f"offload.{k}"): v for k, v in raw.items()}
+            phases = self._training_down()
         else:
             engine = self._engine()
             requeue = engine.abort() if engine.num_running else []
@@ -167,6 +180,21 @@ class DeviceWorker:
         self.role, self.replica = RoleKind.IDLE, -1
         phases["total"] = time.perf_counter() - t0
         return requeue, phases
+
+    def _training_down(self) -> dict[str, float]:
+        """Parameters are discarded when GPS holds them (paper §5.2), after the last Write has
+        landed; an unpublished update is offloaded to host instead, so nothing is lost."""
+        phases = {}
+        if self.pending_write is not None:
+            t0 = time.perf_counter()
+            self.version, self.pending_write = self.pending_write.wait(), None
+            self._trainer_version = self.version
+            phases["gps_replicate_wait"] = time.perf_counter() - t0
+        discard = self._params_in_gps
+        raw = self.trainer.offload(include_params=True, discard_params=discard)
+        phases.update({phase(ContextKind.OFFLOADABLE, f"offload.{k}"): v for k, v in raw.items()})
+        self._params_discarded = discard
+        return phases
 
     # --- inference -----------------------------------------------------------------------
     def _add(self, cmd: AddSequences) -> tuple[Any, dict]:
@@ -205,6 +233,7 @@ class DeviceWorker:
                                                   self.spec.training_place)
             metrics["gps_version"] = self.pending_write.version
             phases["gps_write_submit"] = time.perf_counter() - t1
+        self._params_in_gps = cmd.publish  # else a shift down must keep them (host copy)
         return metrics, phases
 
     def _wait_write(self, cmd: WaitWrite) -> tuple[Any, dict]:
@@ -212,7 +241,7 @@ class DeviceWorker:
             raise RoleError("no published policy version to wait for")
         t0 = time.perf_counter()
         version = self.pending_write.wait(cmd.timeout_s)
-        self.version, self.pending_write = version, None
+        self.version, self._trainer_version, self.pending_write = version, version, None
         return version, {"gps_replicate_wait": time.perf_counter() - t0}
 
     def _shutdown(self, _cmd: Shutdown) -> tuple[Any, dict]:

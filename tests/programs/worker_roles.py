@@ -128,11 +128,26 @@ def scenario(w) -> dict:
     report["train_loss"] = step.result["loss"]
     report["version_after_step"] = ok(w.handle(WaitWrite())).result
     before = optimizer_state(w)
+    params_before = [p.detach().clone() for p in w.trainer.core.parameters()]
     report["phases"]["training_down"] = ok(w.handle(ShiftDown())).phases
+    report["params_freed_on_down"] = all(p.untyped_storage().nbytes() == 0
+                                         for p in w.trainer.core.parameters())
     report["phases"]["training_up"] = ok(w.handle(ShiftUp(RoleKind.TRAINING))).phases
     after = optimizer_state(w)
     report["optimizer_bitwise_equal"] = len(before) > 0 and all(
         torch.equal(a, b) for a, b in zip(before, after))
+    report["params_bitwise_equal"] = all(
+        torch.equal(a, b) for a, b in zip(params_before, w.trainer.core.parameters()))
+    # an unpublished step is never dropped: its params go to host, not back to GPS's copy
+    unpublished = ok(w.handle(TrainStep(batch, publish=False))).result["loss"]
+    trained_params = [p.detach().clone() for p in w.trainer.core.parameters()]
+    ok(w.handle(ShiftDown()))
+    ok(w.handle(ShiftUp(RoleKind.TRAINING)))
+    report["unpublished_step_kept"] = all(
+        torch.equal(a, b) for a, b in zip(trained_params, w.trainer.core.parameters()))
+    report["unpublished_loss"] = unpublished
+    ok(w.handle(TrainStep(batch)))  # publish again: GPS v2 = the trainer's params
+    report["version_after_second_publish"] = ok(w.handle(WaitWrite())).result
     ok(w.handle(ShiftDown()))
 
     # rollout with the trained policy: vLLM reads version 1 from GPS

@@ -37,7 +37,7 @@ CATEGORIES = ("optimizer_state", "params", "main_params", "grads")
 class _Parked:
     storage: torch.UntypedStorage
     nbytes: int
-    host: torch.Tensor  # uint8 host buffer holding the bytes
+    host: torch.Tensor | None  # uint8 host buffer holding the bytes; None = discarded
 
 
 @dataclass
@@ -79,8 +79,12 @@ class HostOffloader:
         return bool(self._parked)
 
     def offload(self, groups: dict[str, list[torch.Tensor]],
-                keep_resident: Iterable[torch.Tensor] = ()) -> OffloadStats:
-        """Move the storages of `groups`, except any shared with `keep_resident` tensors."""
+                keep_resident: Iterable[torch.Tensor] = (),
+                discard: Iterable[str] = ()) -> OffloadStats:
+        """Move the storages of `groups`, except any shared with `keep_resident` tensors.
+
+        Categories in `discard` are freed without a host copy (stateless context, e.g. params
+        that GPS holds): reload() gives them back uninitialised and the caller refills them."""
         if self._parked:
             raise RuntimeError("already offloaded; reload() first")
         stats = OffloadStats()
@@ -88,9 +92,10 @@ class HostOffloader:
         # Resolve every category's storages before freeing any, so a storage shared by two
         # categories is counted (and moved) once, in the first category that names it.
         plan = {name: _unique_storages(groups.get(name, []), seen) for name in CATEGORIES}
+        discard = set(discard)
         for name, storages in plan.items():
             t0 = time.perf_counter()
-            parked = [self._park(s) for s in storages]
+            parked = [self._park(s, copy=name not in discard) for s in storages]
             self._sync()
             for p in parked:
                 p.storage.resize_(0)  # the copy above has completed: free the original
@@ -112,7 +117,8 @@ class HostOffloader:
             t0 = time.perf_counter()
             for p in parked:
                 p.storage.resize_(p.nbytes)
-                p.storage.copy_(p.host.untyped_storage(), non_blocking=self.pin_memory)
+                if p.host is not None:
+                    p.storage.copy_(p.host.untyped_storage(), non_blocking=self.pin_memory)
             self._sync()
             stats.seconds[name] = time.perf_counter() - t0
             stats.bytes[name] = sum(p.nbytes for p in parked)
@@ -123,8 +129,10 @@ class HostOffloader:
                  stats.seconds["total"])
         return stats
 
-    def _park(self, storage: torch.UntypedStorage) -> _Parked:
+    def _park(self, storage: torch.UntypedStorage, copy: bool = True) -> _Parked:
         n = storage.nbytes()
+        if not copy:
+            return _Parked(storage=storage, nbytes=n, host=None)
         host = torch.empty(n, dtype=torch.uint8, device="cpu", pin_memory=self.pin_memory)
         host.untyped_storage().copy_(storage, non_blocking=self.pin_memory)
         return _Parked(storage=storage, nbytes=n, host=host)

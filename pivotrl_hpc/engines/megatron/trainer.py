@@ -79,7 +79,8 @@ class MegatronTrainer:
         self.last_offload_bytes: dict[str, int] = {}
 
     # --- weights -------------------------------------------------------------------------
-    def load_hf(self, tensors: Mapping[str, torch.Tensor]) -> None:
+    def load_hf(self, tensors: Mapping[str, torch.Tensor],
+                refresh_main_params: bool = True) -> None:
         """Load full canonical HF tensors (GPS Read or a safetensors file) into this shard."""
         self._require_resident()
         shard = hf_to_megatron(tensors, self.shape, self.layout.tp_rank, self.layout.tp_size)
@@ -92,8 +93,11 @@ class MegatronTrainer:
                     raise ValueError(f"{name}: model {tuple(p.shape)} vs shard "
                                      f"{tuple(shard[name].shape)}")
                 p.copy_(shard[name])
-        with device_scope():
-            self.optimizer.reload_model_params()  # refresh fp32 main params (mixed precision)
+        if refresh_main_params:
+            # First load only: afterwards the fp32 main params (reloaded from host on shift
+            # up) are the master copy, and refreshing them from bf16 params would round them.
+            with device_scope():
+                self.optimizer.reload_model_params()
 
     def load_hf_folder(self, folder: str | Path) -> None:
         from safetensors.torch import load_file
@@ -271,16 +275,21 @@ class MegatronTrainer:
         groups["params"] = self._param_tensors()
         return groups
 
-    def offload(self, include_params: bool = True) -> dict[str, float]:
+    def offload(self, include_params: bool = True,
+                discard_params: bool = False) -> dict[str, float]:
         """Shift down: move optimizer state, grads, main params (and params) to host memory.
 
         With include_params=False the model params stay resident (e.g. when the next role on
-        this device reads the same policy weights); returns seconds per phase.
+        this device reads the same policy weights). With discard_params=True they are freed
+        without a copy, as the paper treats parameters (stateless: GPS holds them); the
+        caller must `load_hf(..., refresh_main_params=False)` after `reload()`. Returns
+        seconds per phase.
         """
         t0 = time.perf_counter()
         groups = self._offload_groups()
         keep = [] if include_params else groups.pop("params")
-        stats = self._offloader.offload(groups, keep_resident=keep)
+        discard = ("params",) if include_params and discard_params else ()
+        stats = self._offloader.offload(groups, keep_resident=keep, discard=discard)
         if on_gpu():
             torch.cuda.empty_cache()  # hand the freed blocks back for the next role
         self.last_offload_bytes = stats.bytes
