@@ -105,7 +105,7 @@ def _quiet_warmup_failure() -> None:
 
 
 def build_llm(model_dir: Path, options: EngineOptions, gpu: bool):
-    """Create the engine with placeholder ("dummy") weights; real ones come from
+    """Create the engine with random-initialised ("dummy" load format) weights; real ones come from
     `reload_weights`, so that a folder, a GPS mapping and a shift up take the same path."""
     import torch
     from vllm import LLM
