@@ -20,6 +20,7 @@ warnings.filterwarnings("ignore")
 
 import torch  # noqa: E402
 
+from pivotrl_hpc.engines.host import rss_bytes  # noqa: E402
 from pivotrl_hpc.engines.megatron.batch import RolloutBatch  # noqa: E402
 from pivotrl_hpc.engines.megatron.model import ModelBuildConfig  # noqa: E402
 from pivotrl_hpc.engines.megatron.parallel import destroy_model_parallel  # noqa: E402
@@ -29,10 +30,7 @@ from pivotrl_hpc.gps.shapes import ModelShape  # noqa: E402
 
 
 def rss_mib() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
+    return rss_bytes() / 2**20
 
 
 def batch(shape: ModelShape, seq: int) -> RolloutBatch:

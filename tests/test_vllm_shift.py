@@ -17,7 +17,8 @@ import pytest
 
 from pivotrl_hpc.assets.models import SPECS, create_model
 from pivotrl_hpc.engines.vllm import EngineOptions, Sampling, VLLMEngine
-from pivotrl_hpc.engines.vllm.backend import gpu_available, rss_bytes
+from pivotrl_hpc.engines.host import rss_bytes
+from pivotrl_hpc.engines.vllm.backend import gpu_available
 
 log = logging.getLogger(__name__)
 MiB = 2**20

@@ -18,6 +18,7 @@ os.environ.setdefault("MASTER_PORT", str(29600 + os.getpid() % 1000))
 
 import torch  # noqa: E402
 
+from pivotrl_hpc.engines.host import rss_bytes  # noqa: E402
 from pivotrl_hpc.engines.megatron.batch import RolloutBatch  # noqa: E402
 from pivotrl_hpc.engines.megatron.trainer import OptimConfig, TrainerConfig  # noqa: E402
 from pivotrl_hpc.engines.vllm.types import EngineOptions, Sampling  # noqa: E402
@@ -32,8 +33,7 @@ PROMPTS = [[1, 20, 21, 5, 6, 27], [1, 22, 9, 9, 26], [1, 30, 31, 32, 7, 8, 9]]
 
 
 def rss_mib() -> float:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+    return rss_bytes() / 2**20
 
 
 def ok(reply):
@@ -96,7 +96,6 @@ def scenario(w) -> dict:
     report["requeued"] = sorted(a.seq_id for a in down.result)
     report["held_before_down"] = len(held.running)
     report["rss_after_rollout_down_mib"] = rss_mib()
-    report["rss_after_reward_up_mib"] = None
 
     # reward on the same device: the GenRM, a different model
     report["phases"]["reward_up"] = ok(w.handle(ShiftUp(RoleKind.REWARD, 1))).phases

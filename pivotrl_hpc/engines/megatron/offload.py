@@ -16,14 +16,14 @@ optimizer or DDP re-wiring is needed, and the round trip is bitwise exact.
 """
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import logging
 import time
 from dataclasses import dataclass, field
 from typing import Iterable
 
 import torch
+
+from pivotrl_hpc.engines.host import trim_host_heap
 
 log = logging.getLogger(__name__)
 
@@ -44,16 +44,6 @@ class _Parked:
 class OffloadStats:
     seconds: dict[str, float] = field(default_factory=dict)
     bytes: dict[str, int] = field(default_factory=dict)
-
-
-def _trim_host_heap() -> None:
-    """Return freed heap pages to the OS (glibc keeps them otherwise, so RSS would not drop)."""
-    libc_name = ctypes.util.find_library("c")
-    if libc_name is None:
-        return
-    libc = ctypes.CDLL(libc_name)
-    if hasattr(libc, "malloc_trim"):
-        libc.malloc_trim(0)
 
 
 def _unique_storages(tensors: Iterable[torch.Tensor], seen: set[int]) -> list[torch.UntypedStorage]:
@@ -142,7 +132,7 @@ class HostOffloader:
         # release visible to the OS (and to the other roles' processes) like a GPU free is.
         if not self.pin_memory:
             t0 = time.perf_counter()
-            _trim_host_heap()
+            trim_host_heap()
             stats.seconds["trim"] = time.perf_counter() - t0
 
     def _sync(self) -> None:

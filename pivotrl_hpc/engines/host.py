@@ -1,0 +1,28 @@
+"""Host-memory facts both engines need on CPU, where a "device" frees into the host heap."""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+
+log = logging.getLogger(__name__)
+
+
+def trim_host_heap() -> None:
+    """Return freed heap pages to the OS (glibc keeps them otherwise, so RSS would not drop
+    and the next role's process would not see the memory a shift down freed)."""
+    name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(name) if name else None
+    if libc is None or not hasattr(libc, "malloc_trim"):  # not glibc: nothing to trim
+        log.debug("malloc_trim unavailable")
+        return
+    libc.malloc_trim(0)
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process (VmRSS from /proc/self/status)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("VmRSS not found in /proc/self/status")
