@@ -16,7 +16,6 @@ from typing import Any, Callable, Mapping, Protocol
 
 from pivotrl_hpc.engines.vllm.types import EngineOptions
 from pivotrl_hpc.gps.layout import ParallelPlace
-from pivotrl_hpc.runtime.coexist import keep_default_process_group
 from pivotrl_hpc.runtime.context import ContextKind, phase
 from pivotrl_hpc.runtime.messages import (
     ROLE_MODEL, Abort, AddSequences, Command, QueryState, Reply, RoleKind, ShiftDown, ShiftUp,
@@ -109,14 +108,18 @@ class DeviceWorker:
         version = cmd.version
         if version is None and cmd.role == RoleKind.TRAINING and self._params_discarded:
             version = self._trainer_version  # exactly the params the trainer dropped
-        weights = self.store.read(model, place, version)
-        phases = {phase(ContextKind.PARAMETERS, "read"): time.perf_counter() - t0}
+        params_on_host = (cmd.role == RoleKind.TRAINING and self.trainer is not None
+                          and not self._params_discarded)
+        weights, phases = None, {}
+        if not params_on_host:  # an unpublished update comes back from host: no Read for it
+            weights = self.store.read(model, place, version)
+            phases[phase(ContextKind.PARAMETERS, "read")] = time.perf_counter() - t0
         if cmd.role == RoleKind.TRAINING:
             phases.update(self._training_up(weights))
         else:
             phases.update(self._inference_up(model, weights))
         self.role, self.replica = cmd.role, cmd.replica
-        if model == "policy":
+        if model == "policy" and weights is not None:
             self.version = version if version is not None else _current(self.store, model)
             if cmd.role == RoleKind.TRAINING and self._trainer_version is None:
                 self._trainer_version = self.version
@@ -137,7 +140,7 @@ class DeviceWorker:
             raw = engine.shift_up(weights)
         return {_engine_phase(k): v for k, v in raw.items()}
 
-    def _training_up(self, weights: Mapping[str, Any]) -> dict[str, float]:
+    def _training_up(self, weights: Mapping[str, Any] | None) -> dict[str, float]:
         phases: dict[str, float] = {}
         if self.trainer is None:
             from pivotrl_hpc.engines.megatron.trainer import MegatronTrainer
@@ -152,7 +155,7 @@ class DeviceWorker:
             for k, v in self.trainer.reload().items():
                 phases[phase(ContextKind.OFFLOADABLE, f"reload.{k}")] = v
             first = False
-        if first or self._params_discarded:
+        if weights is not None:
             t0 = time.perf_counter()
             # On a re-shift-up the fp32 main params came back from host: keep them as master.
             self.trainer.load_hf(weights, refresh_main_params=first)
@@ -172,8 +175,7 @@ class DeviceWorker:
             engine = self._engine()
             requeue = engine.abort() if engine.num_running else []
             phases = {phase(ContextKind.TEMPORARY, "abort"): time.perf_counter() - t0}
-            with keep_default_process_group():
-                raw = engine.shift_down()
+            raw = engine.shift_down()
             phases.update({_engine_phase(k): v for k, v in raw.items()})
         log.info("shift down %s[%d]: %d sequences back to the queue", self.role.value,
                  self.replica, len(requeue))
@@ -249,8 +251,7 @@ class DeviceWorker:
         for engine in self.engines.values():
             if engine.awake and engine.num_running:
                 requeue += engine.abort()
-            with keep_default_process_group():
-                engine.close()
+            engine.close()
         self.engines.clear()
         self.role, self.replica = RoleKind.IDLE, -1
         return requeue, {}

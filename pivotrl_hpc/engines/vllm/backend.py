@@ -7,7 +7,7 @@ processes, so weights travel as safetensors bytes inside a pickled callable.
 """
 from __future__ import annotations
 
-import ctypes
+import contextlib
 import gc
 import logging
 import os
@@ -15,6 +15,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pivotrl_hpc.engines.host import trim_host_heap
 from pivotrl_hpc.engines.vllm.types import EngineOptions
 
 log = logging.getLogger(__name__)
@@ -213,26 +214,39 @@ def shutdown_llm(llm) -> None:
     """Stop the engine core (frees KV cache and executor) after clearing reload records."""
     dropped = llm.collective_rpc(_forget_reload_bookkeeping)
     log.debug("dropped reload records of %s layers", dropped)
-    llm.llm_engine.engine_core.shutdown()
+    with _keep_default_process_group():
+        llm.llm_engine.engine_core.shutdown()
+
+
+@contextlib.contextmanager
+def _keep_default_process_group():
+    """vLLM's engine shutdown ends with `torch.distributed.destroy_process_group()`, which
+    would also take down the default group that other users in this process (the Megatron
+    trainer of a device worker: preserved context, paper §5.2) hang their groups off. vLLM's
+    own groups are still destroyed; only that one call is skipped. A kept world-1 group is
+    reused by the next engine in this process."""
+    import torch.distributed as dist
+
+    original = dist.destroy_process_group
+
+    def destroy(group=None):
+        if group is None and dist.is_initialized():
+            log.debug("kept the default process group across a vLLM engine shutdown")
+            return
+        original(group)
+
+    dist.destroy_process_group = destroy
+    try:
+        yield
+    finally:
+        dist.destroy_process_group = original
 
 
 def release_host_memory() -> None:
     """Collect the dropped engine's cycles and hand freed heap pages back to the OS, so
     that the memory a shift down frees is visible to the next role (and in RSS)."""
     gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to trim
-        log.debug("malloc_trim unavailable")
-
-
-def rss_bytes() -> int:
-    """Resident set size of this process (VmRSS from /proc/self/status)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("VmRSS not found in /proc/self/status")
+    trim_host_heap()
 
 
 def model_config(model_dir: Path) -> dict:
