@@ -58,7 +58,7 @@ python_env() {
   log "megatron-core, nixl, mpi4py, submitit, h5py, dev tools, project (editable)"
   $PIP torch==2.13.0 megatron-core==0.16.1 nixl==1.5.1 mpi4py submitit h5py
   $PIP --no-deps -e .
-  $PIP pytest pytest-timeout hypothesis pyyaml matplotlib
+  $PIP pytest pytest-timeout pytest-randomly hypothesis pyyaml matplotlib
   .venv/bin/pip uninstall -y -q torchvision torchaudio torchcodec triton 2>/dev/null || true
   echo "$key" > "$STAMPS/venv"
 }

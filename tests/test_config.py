@@ -78,7 +78,7 @@ def test_reward_replica_must_divide_devices(tiny_config):
 
 
 def test_replica_size_matches_tp(tiny_config):
-    e = error(tiny_config, ["roles.reward_replica_size=2"])
+    e = error(tiny_config, ["roles.reward_replica_size=4"])
     assert e.key == "roles.reward_replica_size" and "tensor_parallel" in str(e)
 
 

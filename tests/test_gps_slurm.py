@@ -1,12 +1,16 @@
-"""GPS on the local two-node Slurm cluster: replication across nodes, hybrid layout, scancel."""
+"""GPS on the local two-node Slurm cluster: replication across nodes, hybrid layout, scancel,
+`gps serve --mpi` under srun."""
 from __future__ import annotations
 
-import subprocess
 import time
 
 import pytest
-from slurm_util import PROGRAMS, PYTHON, json_lines
+import torch
+from safetensors.torch import load_file
+from slurm_util import PROGRAMS, PYTHON, json_lines, wait_job
 
+from pivotrl_hpc.gps.client import GPSClient
+from pivotrl_hpc.gps.layout import ParallelPlace
 from pivotrl_hpc.gps.segment import SHM_DIR
 
 pytestmark = pytest.mark.slurm
@@ -23,11 +27,13 @@ def _run(slurm_cluster, tmp_path, tiny_models, *extra):
     return reports
 
 
-def _check(reports, k):
+def _check(reports, k, transport="nixl"):
     assert sorted((r["node"], r["tp_rank"]) for r in reports) == [
         ("n1", 0), ("n1", 1), ("n2", 0), ("n2", 1)]
     for r in reports:
         assert r["k"] == k
+        # the transport that ran, not the one asked for (NIXL falls back to MPI quietly)
+        assert (r["transport"], r["transport_fallback"]) == (transport, None), r
         for s in SCENARIOS:
             got, want = r[s]
             assert got == want, (r["node"], r["tp_rank"], s)
@@ -37,7 +43,7 @@ def _check(reports, k):
 
 @pytest.mark.parametrize("transport", ["nixl", "mpi"])
 def test_write_on_node1_read_on_node2(slurm_cluster, tmp_path, tiny_models, transport):
-    _check(_run(slurm_cluster, tmp_path, tiny_models, "--transport", transport), k=1)
+    _check(_run(slurm_cluster, tmp_path, tiny_models, "--transport", transport), 1, transport)
 
 
 def test_hybrid_layout_k2(slurm_cluster, tmp_path, tiny_models):
@@ -52,6 +58,10 @@ def test_hybrid_layout_k2(slurm_cluster, tmp_path, tiny_models):
         assert held < 0.7 * size, r
 
 
+def _job_segments(job: str) -> list[str]:
+    return sorted(p.name for p in SHM_DIR.glob(f"pivotrl-{job}-*"))
+
+
 def test_scancel_leaves_no_segment(slurm_cluster, tmp_path, tiny_models):
     out = tmp_path / "hold.out"
     job = slurm_cluster.sbatch("-N2", "--ntasks-per-node=3", "--time=2", "-o", str(out),
@@ -61,28 +71,38 @@ def test_scancel_leaves_no_segment(slurm_cluster, tmp_path, tiny_models):
     while out.read_text().count('"ready"') < 2 if out.exists() else True:
         assert time.monotonic() < deadline, out.read_text() if out.exists() else "no output"
         time.sleep(0.2)
-    mine = lambda: sorted(p.name for p in SHM_DIR.glob(f"pivotrl-{job}-*"))  # noqa: E731
-    live = mine()
+    live = _job_segments(job)
     assert any("-n1-policy-v0" in n for n in live) and any("-n2-genrm-v0" in n for n in live)
     slurm_cluster.run("scancel", job)
     deadline = time.monotonic() + 30
-    while mine() and time.monotonic() < deadline:
+    while _job_segments(job) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert mine() == [], mine()
+    assert _job_segments(job) == []
 
 
-def test_clean_cli_removes_a_jobs_segments(tmp_path):
-    seg = SHM_DIR / "pivotrl-cleantest-n1-policy-v0"
-    seg.write_bytes(b"x")
-    other = SHM_DIR / "pivotrl-cleantestother-n1-policy-v0"
-    other.write_bytes(b"x")
+def test_gps_serve_mpi_under_srun(slurm_cluster, tmp_path, tiny_models):
+    """`pivotrl gps serve --mpi`, one agent per node: job id and node names from Slurm, a Write
+    on n1 replicated to n2 over NIXL, and a clean exit of both agents on shutdown requests."""
+    out = tmp_path / "serve.out"
+    serve = f"{PYTHON} -m pivotrl_hpc.cli.main gps serve --mpi --model policy={tiny_models}/policy"
+    job = slurm_cluster.sbatch("-N2", "--ntasks-per-node=1", "--time=2", "-o", str(out),
+                               "--wrap", f"srun --mpi=pmix {serve}", cwd=tmp_path)
     try:
-        p = subprocess.run([str(PYTHON), "-m", "pivotrl_hpc.cli.main", "gps", "clean", "--job",
-                            "cleantest"], capture_output=True, text=True, timeout=60)
-        assert p.returncode == 0 and "removed 1 segment" in p.stdout, p.stderr
-        assert not seg.exists() and other.exists()
+        clients = {n: GPSClient(job, n, wait_s=120) for n in ("n1", "n2")}
+        infos = {n: c.info() for n, c in clients.items()}
+        assert {n: (i["index"], i["n_nodes"], i["transport"]) for n, i in infos.items()} == {
+            "n1": (0, 2, "nixl"), "n2": (1, 2, "nixl")}, infos
+        hf = load_file(str(tiny_models / "policy" / "model.safetensors"))
+        new = {k: t * 2 - 1 for k, t in hf.items()}
+        h = clients["n1"].write("policy", new, ParallelPlace(), layout="hf")
+        assert h.wait(60) == 1
+        got = clients["n2"].read("policy")
+        assert all(torch.equal(got[k], new[k]) for k in hf)
+        for c in clients.values():
+            c.shutdown_agent()
+            c.close()
+        res = wait_job(slurm_cluster, job, out, timeout=60)
     finally:
-        seg.unlink(missing_ok=True)
-        other.unlink(missing_ok=True)
-
-
+        slurm_cluster.run("scancel", job, check=False)
+    assert (res.state, res.exit_code) == ("COMPLETED", 0), res.output[-3000:]
+    assert _job_segments(job) == []  # removed by the agents themselves: no helper here

@@ -10,7 +10,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -29,24 +28,25 @@ pytest.importorskip("megatron.core")
 pytest.importorskip("transformers")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _program(name: str):
+    spec = importlib.util.spec_from_file_location(name, PROGRAM.parent / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
-def _launch(name: str, model_dir: Path, out: Path) -> list[subprocess.Popen]:
+def _launch(name: str, model_dir: Path, out: Path, rdv: dict) -> list[subprocess.Popen]:
+    """Start the layout's ranks; `rdv` points them at a store bound here (no port race)."""
     world, tp, extra = LAYOUTS[name]
-    port = _free_port()
     out.mkdir(parents=True)
     procs = []
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONPATH=str(ROOT),
-                   OMP_NUM_THREADS="1")
+                   PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **rdv)
         log = open(out / f"log{rank}.txt", "w")
         procs.append(subprocess.Popen([sys.executable, str(PROGRAM), str(model_dir), str(out),
-                                       str(tp), *extra], env=env, stdout=log, stderr=subprocess.STDOUT))
+                                       str(tp), *extra], env=env, stdout=log,
+                                      stderr=subprocess.STDOUT))
     return procs
 
 
@@ -54,7 +54,10 @@ def _launch(name: str, model_dir: Path, out: Path) -> list[subprocess.Popen]:
 def runs(tiny_models, tmp_path_factory) -> dict[str, list[dict]]:
     base = tmp_path_factory.mktemp("megatron")
     started = time.monotonic()
-    procs = {name: _launch(name, tiny_models / "policy", base / name) for name in LAYOUTS}
+    rendezvous = _program("rendezvous")
+    stores = {name: rendezvous.bound_store(LAYOUTS[name][0]) for name in LAYOUTS}
+    procs = {name: _launch(name, tiny_models / "policy", base / name,
+                           rendezvous.agent_store_env(stores[name])) for name in LAYOUTS}
     results = {}
     for name, group in procs.items():
         for rank, p in enumerate(group):
@@ -73,10 +76,7 @@ def runs(tiny_models, tmp_path_factory) -> dict[str, list[dict]]:
 
 
 def _fixed_batch():
-    spec = importlib.util.spec_from_file_location("megatron_scenarios", PROGRAM)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.fixed_batch()
+    return _program("megatron_scenarios").fixed_batch()
 
 
 def _all(runs):
@@ -139,14 +139,15 @@ def test_offload_reload_is_bitwise_and_step_unchanged(runs):
         assert partial["params"] == 0 and r["params_resident_bytes"] == b["params"], name
         assert partial["optimizer_state"] == b["optimizer_state"], name
         assert r["freed_storage_bytes_while_offloaded"] == 0, name
-        assert r["step_while_offloaded_refused"] is True, name
+        # the trainer's own check, not torch's error on a freed parameter
+        assert r["step_while_offloaded_error"] == \
+            "trainer state is offloaded; call reload() first", name
         assert r["state_bitwise_after_reload"] is True, name
         assert r["params_bitwise_after_reload"] is True, name
         assert r["loss_shifted"] == r["loss_plain"], name
         assert r["params_after_step_bitwise"] is True, name
         for phases in (r["offload_seconds"], r["reload_seconds"]):
             assert set(phases) >= {"optimizer_state", "grads", "params", "total"}
-            assert all(v >= 0 for v in phases.values())
     # TP=2 splits every matrix: each rank offloads about half of what TP=1 does.
     half = runs["tp2"][0]["offload_bytes"]["params"] / runs["tp1"][0]["offload_bytes"]["params"]
     assert 0.45 < half < 0.55

@@ -9,6 +9,7 @@ import pytest
 
 from pivotrl_hpc.plan import (TRAINING_ID, PivotPlanner, PlannerParams, VanillaPlanner,
                               WorkloadSnapshot, harmonic_throughput, synthetic_snapshot)
+from pivotrl_hpc.sched import Replica, Scheduler, Sequence, ThroughputModel
 
 ROOT = Path(__file__).resolve().parents[1]
 FIG8 = ROOT / "examples" / "figure8_snapshot.json"
@@ -65,13 +66,65 @@ def test_figure8_candidates_and_choice(fig8):
     assert all(s.role == "reward" for s in plan.shift_up)
 
 
-def test_benefit_formula(fig8):
-    snap, params = fig8
-    report = PivotPlanner(params).explain(snap)
+def _replay_role(data: dict, role: str, down: set[str], up: int) -> tuple[int, float]:
+    """(N_Role^Seq, aggregate T) after the shifts, replayed from the raw snapshot JSON on
+    the scheduler's own Algorithms 3 and 4 (plan.evaluate and plan.simulate not used)."""
+    pool = data["roles"][role]
+    reps = [Replica(r["id"], r["kv_capacity"], [Sequence(*q) for q in r["sequences"]])
+            for r in data["replicas"] if r["role"] == role]
+    sched = Scheduler(ThroughputModel.from_dict(pool["model"]), reps)
+    sched.queue.extend(Sequence(*q) for q in pool["queue"])
+    n = sched.n_sequences()
+    if down:
+        sched.shift_down_migration(sorted(down))
+    if up:
+        sched.shift_up_migration([Replica(f"new{i}", pool["kv_capacity"]) for i in range(up)])
+    return n, sched.aggregate_throughput()
+
+
+def _eq1(loads: list[tuple[int, float]]) -> float:
+    if any(n and not t for n, t in loads):
+        return 0.0
+    return sum(n for n, _ in loads) / sum(n / t for n, t in loads if n)
+
+
+def test_benefit_matches_an_independent_replay(fig8):
+    """B = H·(T_cand − T_cur) − φ with T from a replay of the snapshot JSON and φ from the
+    replicas' measured throughput: the planner's numbers, recomputed without it."""
+    _, params = fig8
+    data = json.loads(FIG8.read_text())
+    measured = {r["id"]: r["throughput"] for r in data["replicas"]}
+    report = PivotPlanner(params).explain(WorkloadSnapshot.from_dict(data))
+    now = _eq1([_replay_role(data, role, set(), 0) for role in ("rollout", "reward")])
+    assert report.current.overall == pytest.approx(now, rel=1e-12)
+    assert len(report.candidates) == 4
     for c in report.candidates:
-        expect = params.horizon_s * (c.estimate.overall - report.current.overall) \
-            - c.candidate.penalty
-        assert c.benefit == pytest.approx(expect)
+        down = set(c.shift_down) - {TRAINING_ID}
+        assert all(measured[rid] and rid.startswith("ro") for rid in down)  # Figure 8's pairs
+        roll = _replay_role(data, "rollout", down, 0)
+        reward = _replay_role(data, "reward", set(), len(c.up))
+        phi = sum(params.tau_shift["rollout"] * measured[rid] for rid in down)
+        assert c.candidate.penalty == pytest.approx(phi, rel=1e-12)
+        assert (c.estimate.rollout, c.estimate.reward) == pytest.approx((roll[1], reward[1]))
+        expect = params.horizon_s * (_eq1([roll, reward]) - now) - phi
+        assert c.benefit == pytest.approx(expect, rel=1e-9), c.candidate.k
+
+
+def test_vanilla_benefit_by_hand(fig8):
+    """Binary throughput counts busy replicas, so Figure 8's vanilla numbers are arithmetic:
+    59 rollout sequences on 8 replicas, 385 reward sequences on 4; each new reward replica
+    adds one busy replica, a shifted-down rollout quad leaves 4 busy rollout replicas and
+    costs 4 · τ_shift(rollout); with both quads down rollout stalls (Eq. 1 gives 0)."""
+    snap, params = fig8
+    report = VanillaPlanner(params).explain(snap)
+
+    def eq1(rollout, reward):
+        return (59 + 385) / (59 / rollout + 385 / reward)
+    assert report.current.overall == pytest.approx(eq1(8, 4))
+    h, phi = 60.0, 4 * 1.22725
+    expect = {1: h * (eq1(8, 5) - eq1(8, 4)), 2: h * (eq1(8, 6) - eq1(8, 4)),
+              3: h * (eq1(4, 7) - eq1(8, 4)) - phi, 4: h * (0.0 - eq1(8, 4)) - 2 * phi}
+    assert {c.candidate.k: c.benefit for c in report.candidates} == pytest.approx(expect)
 
 
 def test_equal_inputs_give_equal_plans(fig8):

@@ -7,7 +7,8 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pivotrl_hpc.sched import OpCounter, Replica, Scheduler, Sequence, ThroughputModel
+from pivotrl_hpc.sched import (Move, OpCounter, Replica, Scheduler, Sequence,
+                               ThroughputModel)
 
 M = ThroughputModel(A=5e-8, B=0.012, C=2e-4, D=0.008)
 
@@ -76,8 +77,10 @@ def test_shift_down_moves_sequences_to_survivors():
     s = _scheduler([[1000] * 4, [1000] * 4, []])
     result = s.shift_down_migration(["r0"])
     assert sorted(result.aborted) == [0, 1, 2, 3]
-    assert {m.dst for m in result.moves} == {"r2"} or len(result.moves) == 4
-    assert sum(r.n_seq for r in s.replicas.values()) == 8 and not s.queue
+    # ΔT of the empty r2 (0 -> 1 .. 3 -> 4 sequences) beats r1's 4 -> 5 every time
+    assert result.moves == [Move(i, "r0", "r2") for i in range(4)]
+    assert sorted(s.replicas["r1"].seqs) == [4, 5, 6, 7]
+    assert sorted(s.replicas["r2"].seqs) == [0, 1, 2, 3] and not s.queue
 
 
 def test_shift_up_moves_shortest_off_the_busiest_replica():

@@ -15,6 +15,8 @@ BENCHES: dict[str, tuple[str, str, str | None]] = {
     "dispatch": ("pivotrl_hpc.cli.bench_dispatch", "Dispatch latency", None),
     "gps": ("pivotrl_hpc.cli.bench_gps", "GPS Read/Write/replicate bandwidth", None),
     "shift": ("pivotrl_hpc.cli.bench_shift", "shift up / shift down seconds per role", None),
+    "e2e": ("pivotrl_hpc.cli.bench_e2e", "end-to-end RL throughput, paradigm vs paradigm",
+            None),
 }
 
 

@@ -22,6 +22,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--models-dir", type=Path, default=None,
                    help="reuse models made by `pivotrl init-models --with-100m`")
     p.add_argument("--json", action="store_true", help="print one JSON object (default)")
+    p.add_argument("--engine-process", action="store_true",
+                   help="inference engines in engine hosts (child processes), as in a job")
 
 
 def _models(size: str, base: Path) -> dict[str, str]:
@@ -40,7 +42,7 @@ def _median_phases(runs: list[dict[str, float]]) -> dict[str, float]:
     return {k: round(statistics.median(r.get(k, 0.0) for r in runs), 4) for k in keys}
 
 
-def bench_size(size: str, base: Path, repeat: int) -> dict:
+def bench_size(size: str, base: Path, repeat: int, engine_process: bool = False) -> dict:
     from pivotrl_hpc.engines.megatron.trainer import TrainerConfig
     from pivotrl_hpc.engines.vllm.types import EngineOptions
     from pivotrl_hpc.runtime.local import local_worker
@@ -48,9 +50,19 @@ def bench_size(size: str, base: Path, repeat: int) -> dict:
     from pivotrl_hpc.runtime.worker import WorkerSpec
 
     dirs = _models(size, base)
+    if engine_process:  # no vLLM world in this process for the trainer to join: its own
+        import os
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"),
+                           ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port))):
+            os.environ.setdefault(key, value)
     opts = EngineOptions(max_model_len=256, kv_cache_memory_bytes=64 * 2**20)
     spec = WorkerSpec(model_dirs=dirs, engine_options={"policy": opts, "genrm": opts},
-                      trainer_config=TrainerConfig())
+                      trainer_config=TrainerConfig(), engine_process=engine_process)
     runs: dict[str, dict[str, list]] = {r: {"up": [], "down": []} for r in ROLES}
     with local_worker(spec, job=f"bench{size}") as worker:
         for cycle in range(repeat + 1):
@@ -83,8 +95,9 @@ def main(args: argparse.Namespace) -> int:
         return 2
     with tempfile.TemporaryDirectory(prefix="pivotrl-bench-") as tmp:
         base = args.models_dir or Path(tmp)
-        result = {"repeat": args.repeat, "device": "cpu",
-                  "sizes": {s: bench_size(s, base, args.repeat) for s in sizes}}
+        result = {"repeat": args.repeat, "device": "cpu", "engine_process": args.engine_process,
+                  "sizes": {s: bench_size(s, base, args.repeat, args.engine_process)
+                            for s in sizes}}
     json.dump(result, sys.stdout, indent=1)
     print()
     return 0

@@ -23,8 +23,7 @@ class Command:
 
 
 COMMANDS: tuple[Command, ...] = (
-    Command("run", "pivotrl_hpc.cli.run", "run an RL job locally (mpirun) or inside an allocation",
-            pending="the live end-to-end issue"),
+    Command("run", "pivotrl_hpc.cli.run", "run an RL job locally (mpirun) or inside an allocation"),
     Command("submit", "pivotrl_hpc.cli.submit", "submit an RL job to Slurm with submitit",
             pending="the live end-to-end issue"),
     Command("simulate", "pivotrl_hpc.cli.simulate", "discrete-event cluster simulation",
@@ -67,9 +66,10 @@ def _quiet_engines(verbose: bool) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser, by_name = build_parser()
     # Dotted overrides (`rl.steps=3`) may come after options; argparse leaves those over.
+    # A malformed one (no `=`) goes along too, so the command names it.
     args, extra = parser.parse_known_args(argv)
     if extra:
-        if hasattr(args, "overrides") and all("=" in e and not e.startswith("-") for e in extra):
+        if hasattr(args, "overrides") and not any(e.startswith("-") for e in extra):
             args.overrides = list(args.overrides) + extra
         else:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")

@@ -48,6 +48,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--seed", type=int, default=0)
 
 
+def latency_grows_with_load(samples) -> bool:
+    """The profile's sanity claim (a timing fact, so checked here, not in tests): the step
+    holding the most tokens is slower than the one holding the fewest."""
+    small = min(samples, key=lambda s: (s.n_tok, s.n_seq))
+    large = max(samples, key=lambda s: (s.n_tok, s.n_seq))
+    return large.latency > small.latency
+
+
 def main(args: argparse.Namespace) -> int:
     from pivotrl_hpc.engines.vllm import EngineOptions, VLLMEngine
     from pivotrl_hpc.engines.vllm.profile import ProfileGrid, profile_and_fit, write_profile_yaml
@@ -68,8 +76,13 @@ def main(args: argparse.Namespace) -> int:
     header = (f"pivotrl profile throughput: {args.model}, {backend}, {args.dtype}, "
               f"{len(samples)} grid points x {args.steps} steps")
     write_profile_yaml(args.out, args.role, fit, samples, header)
+    grows = latency_grows_with_load(samples)
+    if not grows:
+        log.warning("the most loaded grid point was not slower than the least loaded one: "
+                    "the machine was busy; re-run before trusting the constants")
     summary = {"out": str(args.out), "role": args.role, **fit.model.to_dict(),
-               "rel_rms_error": fit.rel_rms_error, "samples": fit.samples}
+               "rel_rms_error": fit.rel_rms_error, "samples": fit.samples,
+               "latency_grows_with_load": grows}
     json.dump(summary, sys.stdout)
     print()
     log.info("wrote %s", args.out)

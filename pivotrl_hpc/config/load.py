@@ -78,13 +78,16 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
 
 
 def resolve_paths(cfg: Config, base: Path) -> Config:
-    """Relative model/data paths are relative to the config file's folder."""
+    """Relative paths (models, data, trace, throughput profile) are relative to the config
+    file's folder, overrides included: pass absolute paths to put a run elsewhere."""
     def fix(p: str) -> str:
         return str((base / p).resolve()) if p and not Path(p).is_absolute() else p
 
     for m in (cfg.models.policy, cfg.models.genrm):
         m.path = fix(m.path)
     cfg.data.train, cfg.data.validation = fix(cfg.data.train), fix(cfg.data.validation)
+    cfg.trace.path = fix(cfg.trace.path)
+    cfg.paradigm.throughput_profile = fix(cfg.paradigm.throughput_profile)
     return cfg
 
 

@@ -23,6 +23,10 @@ class ClusterConfig:
     # CPU cores per emulated device (cgroup quota), so an idle "device" really wastes
     # capacity as an idle GPU does. Ignored on GPUs.
     cpu_share: float = 0.5
+    # The shares of all devices must stay below 80 % of the machine's cores, else an idle
+    # "device" lends its CPU to a busy one and paradigm comparisons mean nothing. True turns
+    # the refusal into a warning (for a quick look, never for a measurement).
+    allow_oversubscribe: bool = False
 
 
 @dataclass
@@ -49,6 +53,7 @@ class RolesConfig:
     reward_replica_size: int = 1
     train_devices: int = 4
     train_tensor_parallel: int = 1
+    kv_cache_mb: int = 16        # KV cache of one inference replica (fixes its capacity)
 
 
 @dataclass
@@ -61,6 +66,22 @@ class RLConfig:
     clip_high: float = 0.28      # DAPO clip-higher
     steps: int = 3
     seed: int = 0
+    temperature: float = 1.0     # rollout sampling temperature
+    eval_every: int = 0          # validation accuracy every N steps (0: never)
+    eval_prompts: int = 16       # validation prompts per evaluation (greedy)
+
+
+@dataclass
+class WorkloadConfig:
+    """How long responses and judgements get. `eos`: the models stop at EOS (or the cap).
+    `budget`: each sample draws a length budget from a log-normal (median, sigma), capped at
+    the model's max_response_len, and EOS is ignored, so the long tail of the paper's
+    Figure 2 shows up on random-weight CPU models too."""
+    length_mode: Literal["eos", "budget"] = "budget"
+    rollout_median: int = 12
+    rollout_sigma: float = 0.8
+    genrm_median: int = 6
+    genrm_sigma: float = 0.6
 
 
 @dataclass
@@ -77,6 +98,8 @@ class ParadigmConfig:
     # Initial (and, for fixed paradigms, permanent) devices per role.
     initial_rollout_devices: int = 0
     initial_reward_devices: int = 0
+    # `pivotrl profile throughput` output (YAML with policy/genrm A-D); empty: fit online.
+    throughput_profile: str = ""
 
 
 @dataclass
@@ -109,6 +132,7 @@ class DataConfig:
 @dataclass
 class TraceConfig:
     path: str = "out/trace.h5"
+    log_interval_s: float = 5.0   # one progress line per interval
 
 
 @dataclass
@@ -117,6 +141,7 @@ class Config:
     models: ModelsConfig = field(default_factory=ModelsConfig)
     roles: RolesConfig = field(default_factory=RolesConfig)
     rl: RLConfig = field(default_factory=RLConfig)
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     paradigm: ParadigmConfig = field(default_factory=ParadigmConfig)
     throughput: ThroughputConfig = field(default_factory=ThroughputConfig)
     gps: GPSConfig = field(default_factory=GPSConfig)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 from pivotrl_hpc.config.errors import ConfigError
@@ -103,3 +104,30 @@ def validate(cfg: Config, check_files: bool = True) -> None:
     _training(cfg)
     if check_files:
         _models_on_disk(cfg)
+
+
+MAX_CPU_FRACTION = 0.8  # of the machine's cores that emulated devices may take together
+
+
+def check_cpu_shares(cfg: Config, cores: int, hosts: int = 1) -> str | None:
+    """Emulated CPU devices must leave idle capacity idle: their cores together at most 80 %
+    of the machine's (`hosts` machines share the nodes evenly). Raise ConfigError, or with
+    cluster.allow_oversubscribe return the warning (also logged). Nothing to check on GPUs."""
+    c = cfg.cluster
+    if c.device_kind != "cpu":
+        return None
+    devices = c.nodes * c.devices_per_node / hosts
+    total, limit = devices * c.cpu_share, MAX_CPU_FRACTION * cores
+    if total <= limit + 1e-9:
+        return None
+    msg = (f"{c.nodes} nodes x {c.devices_per_node} devices x cluster.cpu_share={c.cpu_share:g}"
+           f" = {total:g} cores{' per host' if hosts > 1 else ''}, more than 80 % of the "
+           f"{cores} cores here ({limit:g}); set cluster.cpu_share <= "
+           f"{int(limit / devices * 1000) / 1000:g}")
+    if c.allow_oversubscribe:
+        msg += " (cluster.allow_oversubscribe=true: running anyway; idle devices lend their " \
+               "CPU, so paradigm comparisons mean nothing)"
+        logging.getLogger(__name__).warning("%s", msg)
+        return msg
+    raise ConfigError("cluster.cpu_share", msg + ", or set cluster.allow_oversubscribe=true "
+                                               "for a quick look")

@@ -71,6 +71,7 @@ class _Write:
     fetches: list[Pending] | None = None
     published: set[int] = field(default_factory=set)
     waiters: list[socket.socket] = field(default_factory=list)
+    deferred: bool = False
 
 
 class NodeAgent:
@@ -113,6 +114,7 @@ class NodeAgent:
             log.info("GPS %s v0 on %s: %d bytes loaded (k=%d)", store.model, self.cfg.node, n, k)
         if self.comm is not None:
             self.transport = make_transport(self.cfg.transport, self.comm, self.index)
+            log.info("GPS agent %s: %s transport", self.cfg.node, self.transport.name)
             mine = {m: self._expose(m, 0) for m in self.stores}
             for node, infos in enumerate(self.comm.allgather(mine)):
                 for m, info in infos.items():
@@ -239,8 +241,10 @@ class NodeAgent:
         elif op == "fetch":
             self._start_fetch(conn, msg)
         elif op == "ping":
+            t = self.transport
             self._reply(conn, {"op": "ping", "node": self.cfg.node, "index": self.index,
-                               "n_nodes": self.n_nodes})
+                               "n_nodes": self.n_nodes, "transport": t and t.name,
+                               "transport_fallback": t and t.fallback})
         elif op == "shutdown":
             self._reply(conn, {"op": "shutdown"})
             self._stopping = True
@@ -294,7 +298,7 @@ class NodeAgent:
             if w.fetches is None and self._covered(w):
                 w.fetches = self._replicate(w)
             if w.fetches is not None and self.index not in w.published \
-                    and all(p.done() for p in w.fetches):
+                    and all(p.done() for p in w.fetches) and self._room(store, w):
                 store.publish(self.ctl, w.version)
                 w.published.add(self.index)
                 if self.comm is not None:
@@ -306,6 +310,16 @@ class NodeAgent:
                     self._reply(conn, {"op": "replicated", "model": w.model,
                                        "version": w.version})
                 del self.writes[key]
+
+    def _room(self, store: ModelStore, w: _Write) -> bool:
+        """A free live slot in the control block; else wait until a reader releases a pin."""
+        if len(store.live()) < control.MAX_LIVE:
+            return True
+        if not w.deferred:
+            w.deferred = True
+            log.warning("GPS %s v%d waits on %s: %d older versions are pinned by readers",
+                        w.model, w.version, self.cfg.node, len(store.live()))
+        return False
 
     def _covered(self, w: _Write) -> bool:
         data_len = self.stores[w.model].header.total_bytes - \

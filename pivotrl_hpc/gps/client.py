@@ -330,8 +330,19 @@ class GPSClient:
 
     def _ping(self) -> dict:
         if self._node_index is None:
-            self._node_index = self._request({"op": "ping"}, "ping")["index"]
+            self._node_index = self.info()["index"]
         return {"index": self._node_index}
+
+    def info(self) -> dict:
+        """The agent's node, index, n_nodes, the transport that runs between agents (None on
+        one node) and why NIXL was not used (`transport_fallback`), if it was asked for."""
+        return self._request({"op": "ping"}, "ping")
+
+    def sync(self) -> None:
+        """Return once the agent has finished a whole loop turn (collection of unpinned
+        versions included) begun after this call: two round trips."""
+        self.info()
+        self.info()
 
     def shutdown_agent(self) -> None:
         """Ask this node's agent to leave its loop once every agent has been asked."""

@@ -6,7 +6,10 @@ k), then one 256-byte slot per model: name (64 B), seq (u64), current+1 (u64), 1
 versions+1 (u64 each; 0 = empty). Only the node agent writes; it bumps `seq` to odd, writes,
 bumps to even (a seqlock). Readers retry while `seq` is odd or changed under them, so they never
 act on a half-updated slot. x86 keeps stores in program order, and CPython performs the
-`struct.pack_into` stores in order, which is all a single-writer seqlock needs.
+`struct.pack_into` stores in order, which is all a single-writer seqlock needs. But
+`struct.pack_into` zeroes its target before packing, so the counter itself is stored and loaded
+as one 8-byte word (a u64 memoryview): through `pack_into` it would pass through 0, an even
+value a reader could match before and after a whole write (a torn read).
 
 Pin protocol (why readers never see a mix of versions, and freed memory is never read):
 reader: read (current, live) -> open the segment file of `current` -> flock(LOCK_SH) ->
@@ -53,6 +56,9 @@ class ControlBlock:
             self.mm = mmap.mmap(fd, SIZE)
         finally:
             os.close(fd)
+        self._words = memoryview(self.mm).cast("Q")  # single 8-byte loads and stores
+        self.raced_reads = 0  # state() calls that met a write in progress and retried
+        self._slots: dict[str, int] = {}
         if create:
             struct.pack_into("<QQQ", self.mm, 0, MAGIC, os.getpid(), group_size)
         elif struct.unpack_from("<Q", self.mm, 0)[0] != MAGIC:
@@ -75,6 +81,13 @@ class ControlBlock:
         return out
 
     def _slot(self, model: str, create: bool = False) -> int:
+        """The model's slot offset; slots never move or go, so found ones are cached."""
+        off = self._slots.get(model)
+        if off is None:
+            off = self._slots[model] = self._find_slot(model, create)
+        return off
+
+    def _find_slot(self, model: str, create: bool) -> int:
         key = model.encode()
         for i in range(MAX_MODELS):
             off = _HEAD + i * _SLOT
@@ -88,30 +101,37 @@ class ControlBlock:
 
     def state(self, model: str) -> ModelState:
         """Consistent snapshot of a model's versions (seqlock read)."""
-        off = self._slot(model)
-        fmt = f"<QQ{MAX_LIVE}Q"
+        off = self._slot(model) + _NAME
+        raced = False
         while True:
-            vals = struct.unpack_from(fmt, self.mm, off + _NAME)
-            if vals[0] & 1:
-                time.sleep(0)
-                continue
-            if struct.unpack_from("<Q", self.mm, off + _NAME)[0] == vals[0]:
-                cur = vals[1] - 1 if vals[1] else None
-                return ModelState(cur, tuple(sorted(v - 1 for v in vals[2:] if v)))
+            seq = self._words[off // 8]
+            if not seq & 1:
+                vals = struct.unpack_from(f"<Q{MAX_LIVE}Q", self.mm, off + 8)
+                if self._words[off // 8] == seq:
+                    self.raced_reads += raced
+                    cur = vals[0] - 1 if vals[0] else None
+                    return ModelState(cur, tuple(sorted(v - 1 for v in vals[1:] if v)))
+            raced = True
+            time.sleep(0)
+
+    def sequence(self, model: str) -> int:
+        """The slot's seqlock counter: odd while the agent writes it."""
+        return self._words[(self._slot(model) + _NAME) // 8]
 
     def publish(self, model: str, current: int | None, live: tuple[int, ...]) -> None:
         """Agent only: set the current version and the live set in one seqlock write."""
         if len(live) > MAX_LIVE:
             raise RuntimeError(f"more than {MAX_LIVE} live versions of {model}")
-        off = self._slot(model, create=True) + _NAME
-        (seq,) = struct.unpack_from("<Q", self.mm, off)
-        struct.pack_into("<Q", self.mm, off, seq + 1)
+        i = (self._slot(model, create=True) + _NAME) // 8
+        seq = self._words[i]
+        self._words[i] = seq + 1
         padded = [v + 1 for v in live] + [0] * (MAX_LIVE - len(live))
-        struct.pack_into(f"<Q{MAX_LIVE}Q", self.mm, off + 8,
+        struct.pack_into(f"<Q{MAX_LIVE}Q", self.mm, i * 8 + 8,
                          0 if current is None else current + 1, *padded)
-        struct.pack_into("<Q", self.mm, off, seq + 2)
+        self._words[i] = seq + 2
 
     def close(self) -> None:
+        self._words.release()
         self.mm.close()
 
 

@@ -6,7 +6,9 @@ a small request on the agents' control channel and the holder answers with `Isen
 event loop. Agent metadata for NIXL is exchanged once with an MPI allgather.
 
 Set `UCX_MODULES=^ib,rdmacm` on machines without InfiniBand (every NIXL process segfaults at
-exit otherwise); `make_transport` sets it when unset.
+exit otherwise); `make_transport` sets it when unset. When NIXL cannot start, `make_transport`
+falls back to MPI and records why in `fallback` (the agent reports it to `ping`).
+`PIVOTRL_GPS_MPI_CHUNK_BYTES` sets the MPI message size (default 1 GiB, the int-count limit).
 """
 from __future__ import annotations
 
@@ -22,6 +24,13 @@ log = logging.getLogger(__name__)
 CTRL_TAG = 71
 _DATA_TAG0 = 1000
 _MAX_MSG = 1 << 30  # MPI counts are ints: move big ranges in 1 GiB pieces
+
+
+def chunk_bytes() -> int:
+    n = int(os.environ.get("PIVOTRL_GPS_MPI_CHUNK_BYTES", _MAX_MSG))
+    if not 0 < n <= _MAX_MSG:
+        raise ValueError(f"PIVOTRL_GPS_MPI_CHUNK_BYTES must be in (0, {_MAX_MSG}]: {n}")
+    return n
 
 
 @dataclass
@@ -42,8 +51,11 @@ class MPITransport:
     """Fallback: request over the control channel, data by Isend/Irecv."""
     name = "mpi"
 
-    def __init__(self, comm):
+    def __init__(self, comm, fallback: str | None = None):
         self.comm = comm
+        self.fallback = fallback  # why NIXL was not used, when it was asked for
+        self.chunk = chunk_bytes()
+        self.chunks_fetched = 0
         self.exposed: dict[Any, np.ndarray] = {}
         self._next_tag = _DATA_TAG0
         self._sending: list = []
@@ -62,11 +74,12 @@ class MPITransport:
         from mpi4py import MPI
         reqs, asks = [], []
         for off, dst in pieces:
-            for lo in range(0, dst.size, _MAX_MSG):
-                part = dst[lo: lo + _MAX_MSG]
+            for lo in range(0, dst.size, self.chunk):
+                part = dst[lo: lo + self.chunk]
                 tag = self._tag()
                 reqs.append(self.comm.Irecv([part, MPI.BYTE], source=peer, tag=tag))
                 asks.append((off + lo, part.size, tag))
+        self.chunks_fetched += len(asks)
         self.comm.send({"op": "mpi_get", "key": key, "asks": asks}, dest=peer, tag=CTRL_TAG)
         return Pending(lambda: MPI.Request.Testall(reqs), sum(d.size for _, d in pieces))
 
@@ -93,6 +106,7 @@ class MPITransport:
 class NIXLTransport:
     """NIXL agent per node agent; exposed buffers registered as DRAM, READ from peers."""
     name = "nixl"
+    fallback = None
 
     def __init__(self, comm, node_index: int):
         self.comm = comm
@@ -183,7 +197,9 @@ def make_transport(kind: str, comm, node_index: int):
         try:
             return NIXLTransport(comm, node_index)
         except Exception as e:  # noqa: BLE001 - any NIXL/UCX start failure means: use MPI
-            log.warning("NIXL unavailable (%s); GPS uses the MPI transport", e)
-    elif kind != "mpi":
+            reason = f"{type(e).__name__}: {e}"
+            log.warning("NIXL unavailable (%s); GPS uses the MPI transport", reason)
+            return MPITransport(comm, fallback=reason)
+    if kind != "mpi":
         raise ValueError(f"unknown GPS transport {kind!r} (nixl or mpi)")
     return MPITransport(comm)

@@ -59,9 +59,10 @@ def python_check(snippet: str, hint: str, timeout: float = 120.0) -> Check:
     return Check(True, version, "imports")
 
 
-def command_version(cmd: list[str], env: dict | None = None) -> str | None:
+def command_version(cmd: list[str], env: dict | None = None, timeout: float = 20.0
+                    ) -> str | None:
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=20, env=env)
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     except (OSError, subprocess.TimeoutExpired):
         return None
     out = (p.stdout or p.stderr).strip().splitlines()
@@ -72,7 +73,10 @@ def mpirun_check() -> Check:
     if not shutil.which("mpirun"):
         return Check(False, None, "mpirun not on PATH; fix: apt-get install openmpi-bin")
     v = command_version(["mpirun", "--version"])
-    return Check(v is not None, v.split()[-1] if v else None, "Open MPI launcher")
+    if v is None:
+        return Check(False, None, f"`mpirun --version` fails ({shutil.which('mpirun')}); "
+                     "fix: apt-get install --reinstall openmpi-bin")
+    return Check(True, v.split()[-1], "Open MPI launcher")
 
 
 def slurm_conf() -> tuple[str | None, str]:
@@ -86,30 +90,37 @@ def slurm_conf() -> tuple[str | None, str]:
     return (str(local), "local test cluster") if local.is_file() else (None, "none")
 
 
-def slurm_check() -> Check:
+LOCAL_SLURM_HINT = ("locally: `slurm/local/cluster.sh start` and "
+                    "`eval $(slurm/local/cluster.sh env)`")
+
+
+def slurm_check(timeout: float = 20.0) -> Check:
     if not shutil.which("sinfo"):
         return Check(False, None, "Slurm client missing; fix: apt-get install slurm-wlm")
     conf, origin = slurm_conf()
+    if conf and not os.path.isfile(conf):  # sinfo would retry for 60 s, then blame the file
+        return Check(False, None, f"{origin}={conf} does not exist; fix: point SLURM_CONF at "
+                     f"the cluster's slurm.conf or unset it; {LOCAL_SLURM_HINT}")
     env = dict(os.environ, **({"SLURM_CONF": conf} if conf else {}))
-    version = (command_version(["sinfo", "--version"], env) or "").split()[-1:] or [None]
+    version = (command_version(["sinfo", "--version"], env, timeout) or "").split()[-1:] or [None]
     try:
         p = subprocess.run(["sinfo", "-h", "-o", "%D %T"], capture_output=True, text=True,
-                           timeout=20, env=env)
+                           timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
-        return Check(False, version[0], "sinfo timed out: controller unreachable")
+        return Check(False, version[0], f"sinfo timed out after {timeout:g} s: controller "
+                     f"unreachable (config {conf or 'Slurm default'}); {LOCAL_SLURM_HINT}")
     if p.returncode != 0:
         return Check(False, version[0], "no reachable slurmctld (" + p.stderr.strip()[:120]
-                     + "); locally: `slurm/local/cluster.sh start` and `eval "
-                       "$(slurm/local/cluster.sh env)`")
+                     + f"); {LOCAL_SLURM_HINT}")
     return Check(True, version[0], f"controller reachable ({origin}): nodes "
                  + " ".join(p.stdout.split()))
 
 
-def shm_check(min_gb: float) -> Check:
+def shm_check(min_gb: float, path: str = "/dev/shm") -> Check:
     try:
-        st = os.statvfs("/dev/shm")
+        st = os.statvfs(path)
     except OSError as e:
-        return Check(False, None, f"/dev/shm unusable: {e}")
+        return Check(False, None, f"{path} unusable: {e}; fix: mount -t tmpfs tmpfs {path}")
     total, free = st.f_blocks * st.f_frsize / 2**30, st.f_bavail * st.f_frsize / 2**30
     ok = free >= min_gb
     hint = "" if ok else f"; fix: mount -o remount,size=<bytes> /dev/shm (need {min_gb} GiB)"

@@ -68,6 +68,33 @@ class Abort:
 
 
 @dataclass(frozen=True)
+class TrainBatch:
+    """A training batch as plain lists (the controller stays torch-free); the worker packs
+    it into `engines.megatron.batch.RolloutBatch`. One GRPO group never spans two batches."""
+    prompts: tuple[tuple[int, ...], ...]
+    responses: tuple[tuple[int, ...], ...]
+    logprobs: tuple[tuple[float, ...], ...]
+    rewards: tuple[float, ...]
+    group_ids: tuple[int, ...]
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def to_rollout_batch(self, pad_id: int = 0):
+        from pivotrl_hpc.engines.megatron.batch import RolloutBatch
+
+        return RolloutBatch.from_sequences(self.prompts, self.responses, self.logprobs,
+                                           self.rewards, self.group_ids, pad_id=pad_id)
+
+
+@dataclass(frozen=True)
+class Reload:
+    """Refresh a running inference replica's policy weights in place from GPS (after a
+    training step was published); running sequences keep going (their KV stays)."""
+    version: int | None = None  # None: the current one
+
+
+@dataclass(frozen=True)
 class TrainStep:
     batch: Any            # engines.megatron.batch.RolloutBatch
     publish: bool = True  # GPS Write of the updated policy after the step
@@ -90,7 +117,7 @@ class Shutdown:
 
 
 Command = (ShiftUp | ShiftDown | AddSequences | Step | Abort | TrainStep | WaitWrite
-           | QueryState | Shutdown)
+           | Reload | QueryState | Shutdown)
 
 
 @dataclass
@@ -103,3 +130,4 @@ class Reply:
     phases: dict[str, float] = field(default_factory=dict)  # seconds per shift phase
     error: str | None = None
     seq_ids: tuple[str, ...] = ()     # sequences the worker held when the command failed
+    device: int = -1                  # set by the controller's side on arrival

@@ -18,8 +18,8 @@ from pivotrl_hpc.engines.vllm.types import EngineOptions
 from pivotrl_hpc.gps.layout import ParallelPlace
 from pivotrl_hpc.runtime.context import ContextKind, phase
 from pivotrl_hpc.runtime.messages import (
-    ROLE_MODEL, Abort, AddSequences, Command, QueryState, Reply, RoleKind, ShiftDown, ShiftUp,
-    Shutdown, Step, TrainStep, WaitWrite)
+    ROLE_MODEL, Abort, AddSequences, Command, QueryState, Reload, Reply, RoleKind, ShiftDown,
+    ShiftUp, Shutdown, Step, TrainBatch, TrainStep, WaitWrite)
 
 log = logging.getLogger(__name__)
 
@@ -27,8 +27,9 @@ log = logging.getLogger(__name__)
 class ParameterStore(Protocol):
     """What the worker needs of GPS: Read(M, G, P) and Write(M, G, P)."""
 
-    def read(self, model: str, place: ParallelPlace,
-             version: int | None = None) -> Mapping[str, Any]: ...
+    def read(self, model: str, place: ParallelPlace, version: int | None = None,
+             *, layout: str = "hf") -> Mapping[str, Any]:
+        """`layout="hf"`: HF-named slices (inference); "megatron": a TP rank's shard."""
 
     def write(self, model: str, shard: Mapping[str, Any], place: ParallelPlace) -> Any:
         """Write this rank's Megatron shard; returns a handle whose wait() gives the version."""
@@ -41,6 +42,14 @@ class WorkerSpec:
     trainer_config: Any = None                      # engines.megatron.trainer.TrainerConfig
     inference_place: ParallelPlace = field(default_factory=ParallelPlace)
     training_place: ParallelPlace = field(default_factory=ParallelPlace)
+    # True: inference engines run in engine hosts (child processes with their own torch
+    # world, runtime.engine_host) that Read GPS themselves; needed when this process is in
+    # a training world of several ranks. False: in this process (one-worker runs, tests).
+    engine_process: bool = False
+    engine_worlds: dict[str, Any] = field(default_factory=dict)  # model -> TPWorld (TP > 1)
+    gps_job: str | None = None      # GPS of the hosts' Reads; None: the store's job / node
+    gps_node: str | None = None
+    device: int = 0                 # global device index (names the hosts in errors)
 
 
 class RoleError(RuntimeError):
@@ -61,7 +70,8 @@ class DeviceWorker:
         self._handlers: dict[type, Callable[[Any], Any]] = {
             ShiftUp: self._shift_up, ShiftDown: self._shift_down, AddSequences: self._add,
             Step: self._step, Abort: self._abort, TrainStep: self._train_step,
-            WaitWrite: self._wait_write, QueryState: self._state, Shutdown: self._shutdown}
+            WaitWrite: self._wait_write, Reload: self._reload, QueryState: self._state,
+            Shutdown: self._shutdown}
 
     # --- dispatch ------------------------------------------------------------------------
     def handle(self, cmd: Command) -> Reply:
@@ -110,22 +120,35 @@ class DeviceWorker:
             version = self._trainer_version  # exactly the params the trainer dropped
         params_on_host = (cmd.role == RoleKind.TRAINING and self.trainer is not None
                           and not self._params_discarded)
+        hosted = self.spec.engine_process and cmd.role != RoleKind.TRAINING
         weights, phases = None, {}
-        if not params_on_host:  # an unpublished update comes back from host: no Read for it
-            weights = self.store.read(model, place, version)
+        if not params_on_host and not hosted:  # an unpublished update comes back from host
+            if version is None:  # name the version before reading it, not after
+                version = _current(self.store, model)
+            # Training Reads exactly its TP rank's Megatron shard; inference the HF slices.
+            kw = {"layout": "megatron"} if cmd.role == RoleKind.TRAINING else {}
+            weights = self.store.read(model, place, version, **kw)
             phases[phase(ContextKind.PARAMETERS, "read")] = time.perf_counter() - t0
         if cmd.role == RoleKind.TRAINING:
             phases.update(self._training_up(weights))
-        else:
-            phases.update(self._inference_up(model, weights))
+        elif hosted:  # the host Reads GPS itself
+            phases.update(self._hosted_up(model, place, version))
+            version = self.engines[model].version
+        else:  # the engine's own params_read (materialise + check) adds to the GPS Read
+            for key, seconds in self._inference_up(model, weights).items():
+                phases[key] = phases.get(key, 0.0) + seconds
         self.role, self.replica = cmd.role, cmd.replica
-        if model == "policy" and weights is not None:
-            self.version = version if version is not None else _current(self.store, model)
+        if model == "policy" and hosted:
+            self.version = self.engines[model].version
+        elif model == "policy" and weights is not None:
+            self.version = version
             if cmd.role == RoleKind.TRAINING and self._trainer_version is None:
                 self._trainer_version = self.version
         phases["total"] = time.perf_counter() - t0
         log.info("shift up -> %s[%d] in %.2f s", cmd.role.value, cmd.replica, phases["total"])
-        return None, phases
+        # read: the GPS version Read (None: the params came back from host, no Read)
+        return {"version": self.version if model == "policy" else None,
+                "read": version if weights is not None or hosted else None}, phases
 
     def _inference_up(self, model: str, weights: Mapping[str, Any]) -> dict[str, float]:
         engine = self.engines.get(model)
@@ -139,6 +162,51 @@ class DeviceWorker:
         else:
             raw = engine.shift_up(weights)
         return {_engine_phase(k): v for k, v in raw.items()}
+
+    def _hosted_up(self, model: str, place: ParallelPlace,
+                   version: int | None) -> dict[str, float]:
+        from pivotrl_hpc.runtime.engine_host import EngineHost
+
+        read = self._gps_read(model, place, version)
+        host = self.engines.get(model)
+        if host is not None and not host.started:  # preloaded at start-up: build it now
+            return {_engine_phase(k): v for k, v in host.start(read).items()}
+        if host is None:  # first time this device serves the model: start its host
+            host = EngineHost(self.spec.model_dirs[model], self.spec.engine_options.get(model),
+                              read, world=self.spec.engine_worlds.get(model),
+                              name=f"{model} on device {self.spec.device}")
+            self.engines[model] = host
+            raw = host.start_phases
+        else:
+            raw = host.shift_up(read)
+        return {_engine_phase(k): v for k, v in raw.items()}
+
+    def prewarm(self) -> list[int]:
+        """Spawn an engine host per model and import vLLM in it now (job start-up, before
+        the device's CPU cap), so the first shift up builds only the engine. Returns the
+        hosts' pids: the launcher moves them under the device's cap with the worker."""
+        from pivotrl_hpc.runtime.engine_host import EngineHost
+
+        if not self.spec.engine_process:
+            return []
+        for model in ("policy", "genrm"):
+            if model not in self.engines:
+                self.engines[model] = EngineHost(
+                    self.spec.model_dirs[model], self.spec.engine_options.get(model),
+                    world=self.spec.engine_worlds.get(model), start=False,
+                    name=f"{model} on device {self.spec.device}")
+        for host in self.engines.values():
+            host.preloaded()
+        return [host.pid for host in self.engines.values()]
+
+    def _gps_read(self, model: str, place: ParallelPlace, version: int | None):
+        from pivotrl_hpc.runtime.engine_host import GPSRead
+
+        job = self.spec.gps_job or getattr(self.store, "job", None)
+        node = self.spec.gps_node or getattr(self.store, "node", None)
+        if job is None or node is None:
+            raise RoleError("engine_process needs the GPS job and node (spec.gps_job/gps_node)")
+        return GPSRead(job, node, model, place, version)
 
     def _training_up(self, weights: Mapping[str, Any] | None) -> dict[str, float]:
         phases: dict[str, float] = {}
@@ -158,7 +226,7 @@ class DeviceWorker:
         if weights is not None:
             t0 = time.perf_counter()
             # On a re-shift-up the fp32 main params came back from host: keep them as master.
-            self.trainer.load_hf(weights, refresh_main_params=first)
+            self.trainer.load_shard(weights, refresh_main_params=first)
             phases[phase(ContextKind.PARAMETERS, "load")] = time.perf_counter() - t0
             self._params_in_gps = True
         self._params_discarded = False
@@ -211,8 +279,14 @@ class DeviceWorker:
         return [engine.step() for _ in range(cmd.iterations)], {}
 
     def _abort(self, cmd: Abort) -> tuple[Any, dict]:
+        """Abort the named sequences that still run here. A named one that already finished
+        (its last tokens were on their way to the controller when the Abort was sent) is
+        skipped: the controller keeps its record and ignores the late output."""
         engine = self._engine()
-        return engine.abort(None if cmd.seq_ids is None else list(cmd.seq_ids)), {}
+        if cmd.seq_ids is None:
+            return engine.abort(None), {}
+        running = {r.seq_id for r in engine.state().running}
+        return engine.abort([s for s in cmd.seq_ids if s in running]), {}
 
     def _state(self, _cmd: QueryState) -> tuple[Any, dict]:
         engine = self._engine(required=False)
@@ -225,7 +299,8 @@ class DeviceWorker:
         if self.role != RoleKind.TRAINING:
             raise RoleError(f"train step while {self.role.value}")
         t0 = time.perf_counter()
-        metrics = dict(self.trainer.train_step(cmd.batch))
+        batch = cmd.batch.to_rollout_batch() if isinstance(cmd.batch, TrainBatch) else cmd.batch
+        metrics = dict(self.trainer.train_step(batch))
         phases = {"train_step": time.perf_counter() - t0}
         if cmd.publish:
             t1 = time.perf_counter()
@@ -246,7 +321,35 @@ class DeviceWorker:
         self.version, self._trainer_version, self.pending_write = version, version, None
         return version, {"gps_replicate_wait": time.perf_counter() - t0}
 
+    def _reload(self, cmd: Reload) -> tuple[Any, dict]:
+        if self.role != RoleKind.ROLLOUT:
+            raise RoleError(f"reload of policy weights while {self.role.value}")
+        t0 = time.perf_counter()
+        if self.spec.engine_process:  # the host Reads GPS itself: Read + load in one figure
+            host = self._engine()
+            seconds = host.load_weights(self._gps_read("policy", self.spec.inference_place,
+                                                       cmd.version))
+            self.version = host.version
+            return {"version": self.version}, {phase(ContextKind.PARAMETERS, "load"): seconds}
+        version = cmd.version if cmd.version is not None else _current(self.store, "policy")
+        weights = self.store.read("policy", self.spec.inference_place, version)
+        phases = {phase(ContextKind.PARAMETERS, "read"): time.perf_counter() - t0}
+        phases[phase(ContextKind.PARAMETERS, "load")] = self._engine().load_weights(weights)
+        self.version = version
+        return {"version": self.version}, phases
+
     def _shutdown(self, _cmd: Shutdown) -> tuple[Any, dict]:
+        """Abort and close the engines (their sequences go back to the controller); a training
+        worker first waits for its last published Write, so that version is whole in GPS."""
+        phases = {}
+        if self.pending_write is not None:
+            t0 = time.perf_counter()
+            self.version = self._trainer_version = self.pending_write.wait()
+            self.pending_write = None
+            phases["gps_replicate_wait"] = time.perf_counter() - t0
+        if self.trainer is not None and not self._params_in_gps:
+            log.warning("shutdown drops an unpublished training step (GPS holds v%s)",
+                        self._trainer_version)
         requeue = []
         for engine in self.engines.values():
             if engine.awake and engine.num_running:
@@ -254,7 +357,7 @@ class DeviceWorker:
             engine.close()
         self.engines.clear()
         self.role, self.replica = RoleKind.IDLE, -1
-        return requeue, {}
+        return requeue, phases
 
 
 def _current(store: ParameterStore, model: str) -> int | None:

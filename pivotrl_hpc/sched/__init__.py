@@ -3,10 +3,10 @@ from pivotrl_hpc.sched.fit import FitResult, ThroughputSample, fit_throughput_mo
 from pivotrl_hpc.sched.index import DispatchIndex, OpCounter
 from pivotrl_hpc.sched.model import BinaryThroughputModel, ReplicaThroughput, ThroughputModel
 from pivotrl_hpc.sched.scheduler import AbortSpec, MigrationResult, Move, Scheduler
-from pivotrl_hpc.sched.state import Replica, SchedulerError, Sequence, WaitingQueue
+from pivotrl_hpc.sched.state import KVOverflow, Replica, SchedulerError, Sequence, WaitingQueue
 
 __all__ = [
-    "AbortSpec", "BinaryThroughputModel", "DispatchIndex", "FitResult", "MigrationResult",
+    "AbortSpec", "BinaryThroughputModel", "DispatchIndex", "FitResult", "KVOverflow", "MigrationResult",
     "Move", "OpCounter", "Replica", "ReplicaThroughput", "Scheduler", "SchedulerError",
     "Sequence", "ThroughputModel", "ThroughputSample", "WaitingQueue", "fit_throughput_model",
 ]

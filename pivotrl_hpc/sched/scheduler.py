@@ -23,7 +23,8 @@ from typing import Iterable, NamedTuple
 
 from pivotrl_hpc.sched.index import DispatchIndex, OpCounter
 from pivotrl_hpc.sched.model import ReplicaThroughput
-from pivotrl_hpc.sched.state import Replica, SchedulerError, Sequence, WaitingQueue
+from pivotrl_hpc.sched.state import (KVOverflow, Replica, SchedulerError, Sequence,
+                                     WaitingQueue)
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +103,22 @@ class Scheduler:
                          record_moves=self.record_moves)
         twin.replicas = {rid: r.copy() for rid, r in self.replicas.items()}
         return twin
+
+    def grow(self, replica_id: str, seq_id: int, new_tokens: int) -> Sequence | None:
+        """Record tokens a running sequence generated. Past the replica's KV capacity the
+        sequence is preempted, as vLLM does: it leaves the replica and waits in the queue
+        with every token it has (it resumes, never restarts). Returns the grown sequence if
+        it still runs, None if it was preempted. Nothing is lost either way."""
+        r = self._replica(replica_id)
+        try:
+            return r.grow(seq_id, new_tokens)
+        except KVOverflow as over:
+            r.remove(seq_id)
+            seq = over.seq
+            self.queue.push(Sequence(seq.seq_id, seq.prompt_tokens,
+                                     seq.generated_tokens + new_tokens))
+            log.debug("%s", over)
+            return None
 
     # -- Algorithm 2 ---------------------------------------------------------------------
     def abort(self, replica_id: str, which: AbortSpec = AbortSpec.ALL) -> list[Sequence]:

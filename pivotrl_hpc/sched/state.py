@@ -4,6 +4,13 @@ A `Sequence` carries the tokens produced so far, so an aborted sequence resumes 
 restarting (appendix C.1). A `Replica` tracks its running sequences, their token total and
 its KV-cache capacity in tokens, and finds its shortest sequence through a lazy heap. The
 `WaitingQueue` is a priority queue, ascending sequence id by default (as veRL).
+
+KV overflow, for the controller: the live monitor reports generated tokens through
+`Scheduler.grow(replica, seq, new_tokens)`. Within capacity it returns the grown sequence.
+Past it, `Replica.grow` raises `KVOverflow` having changed nothing, and `Scheduler.grow`
+preempts the sequence as vLLM does: off the replica, into the waiting queue with every token
+(prompt + generated, the new ones included), and returns None. The controller then treats
+it as aborted on that engine; a later Dispatch resumes it where it fits. Nothing is lost.
 """
 from __future__ import annotations
 
@@ -14,6 +21,16 @@ from typing import Callable, Iterable, Iterator
 
 class SchedulerError(ValueError):
     """An operation that would lose, duplicate or over-fill a sequence."""
+
+
+class KVOverflow(SchedulerError):
+    """Growing a running sequence would exceed its replica's KV capacity. Raised before
+    anything changes: the replica still holds the sequence with its old token count."""
+
+    def __init__(self, replica_id: str, seq: "Sequence", new_tokens: int, remaining: int):
+        super().__init__(f"replica {replica_id}: sequence {seq.seq_id} cannot grow by "
+                         f"{new_tokens} tokens (remaining KV capacity {remaining})")
+        self.replica_id, self.seq, self.new_tokens = replica_id, seq, new_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,8 +107,19 @@ class Replica:
         return None
 
     def grow(self, seq_id: int, new_tokens: int) -> Sequence:
-        """Record `new_tokens` generated for a running sequence (the live monitor's update)."""
-        seq = self.remove(seq_id)
+        """Record `new_tokens` generated for a running sequence (the live monitor's update).
+
+        Atomic: past the KV capacity it raises `KVOverflow` and changes nothing, so the
+        caller decides (`Scheduler.grow` preempts the sequence to the waiting queue with its
+        tokens, as vLLM does when its KV cache fills up)."""
+        seq = self.seqs.get(seq_id)
+        if seq is None:
+            raise SchedulerError(f"replica {self.replica_id}: no running sequence {seq_id}")
+        if new_tokens < 0:
+            raise SchedulerError(f"replica {self.replica_id}: sequence {seq_id} cannot shrink")
+        if new_tokens > self.remaining:
+            raise KVOverflow(self.replica_id, seq, new_tokens, self.remaining)
+        self.remove(seq_id)
         grown = Sequence(seq.seq_id, seq.prompt_tokens, seq.generated_tokens + new_tokens)
         self.add(grown)
         return grown

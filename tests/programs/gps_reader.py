@@ -1,9 +1,10 @@
-"""GPS reader for the concurrency tests: `python gps_reader.py JOB NODE MODEL_DIR STOP_FILE
-[--hold]`.
+"""GPS reader for the concurrency tests: `python gps_reader.py JOB NODE MODEL_DIR (--until V |
+--hold)`.
 
-Loop mode: Read the policy again and again until STOP_FILE exists; check each Read against
-the weights of the version it pinned (version v = HF weights * (1 + v) + 0.25 v, the
-writer's rule), then print one JSON line: reads, versions seen in order, mismatches.
+Loop mode (`--until V`): Read the policy again and again until it has read version V; check
+each Read against the weights of the version it pinned (version v = HF weights * (1 + v) +
+0.25 v, the writer's rule); print `{"seen": v}` on each new version (the first one is the
+ready signal), then one JSON line: reads, versions seen in order, mismatches.
 Hold mode: pin the current version, print its number, and sleep (to be killed with -9).
 """
 import hashlib
@@ -28,19 +29,24 @@ def digest(sd: dict) -> str:
     return h.hexdigest()
 
 
+def say(obj: dict) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
 def main() -> None:
-    job, node, model_dir, stop = sys.argv[1:5]
+    job, node, model_dir, mode = sys.argv[1:5]
     c = GPSClient(job, node)
-    if "--hold" in sys.argv:
+    if mode == "--hold":
         pin = c.pin("policy")
-        sys.stdout.write(json.dumps({"pinned": pin.version}) + "\n")
-        sys.stdout.flush()
+        say({"pinned": pin.version})
         time.sleep(3600)
         return
+    until = int(sys.argv[5])
     hf = load_file(os.path.join(model_dir, "model.safetensors"))
     want: dict[int, str] = {}
     seen, bad, reads = [], 0, 0
-    while not os.path.exists(stop):
+    while not seen or seen[-1] < until:
         with c.pin("policy") as pin:
             got = c.read("policy", pin=pin)
             v = pin.version
@@ -49,9 +55,9 @@ def main() -> None:
         bad += digest(got) != want[v]
         if not seen or seen[-1] != v:
             seen.append(v)
+            say({"seen": v})
         reads += 1
-    sys.stdout.write(json.dumps({"reads": reads, "versions": seen, "mismatches": bad}) + "\n")
-    sys.stdout.flush()
+    say({"reads": reads, "versions": seen, "mismatches": bad})
 
 
 if __name__ == "__main__":

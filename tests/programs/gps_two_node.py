@@ -2,8 +2,8 @@
 [--budget-mb X] [--transport nixl|mpi] [--hold]`.
 
 Local rank 0 of each node is the node agent; the other two ranks are workers (TP ranks 0, 1).
-Workers print one JSON line each with sha256 checksums of what they Read against what they
-expect (computed from the HF files), per scenario:
+Workers print one JSON line each with the transport their agent runs and sha256 checksums of
+what they Read against what they expect (computed from the HF files), per scenario:
   read0:  v0 of policy and GenRM at TP=2;
   write1: node 1's two workers Write policy v1 (Megatron shards, TP=2); every worker reads it;
   write2: TP rank 0 on node 1 and TP rank 1 on node 2 Write v2 together; every worker reads it.
@@ -92,7 +92,9 @@ def run_worker(comm, tp_rank: int, job: str, node: str, models: dict) -> None:
     place = ParallelPlace(tp_size=2, tp_rank=tp_rank)
     hf = {m: load_file(os.path.join(d, "model.safetensors")) for m, d in models.items()}
     shapes = {m: ModelShape.from_hf_config(d) for m, d in models.items()}
-    report = {"node": node, "tp_rank": tp_rank, "k": c.ctl.group_size}
+    info = c.info()
+    report = {"node": node, "tp_rank": tp_rank, "k": c.ctl.group_size,
+              "transport": info["transport"], "transport_fallback": info["transport_fallback"]}
     t = time.perf_counter()
     for m in models:
         got = c.read(m, place)

@@ -1,9 +1,11 @@
 """One rank of a Megatron trainer scenario run, launched by tests/test_megatron_engine.py.
 
-Env: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT (one process per rank).
-Args: MODEL_DIR OUT_DIR TP [distopt] (distopt: Megatron's DistributedOptimizer). Writes OUT_DIR/rank<R>.json with measured numbers; the test
-asserts on them. Every check runs in one process group so that the expensive start-up
-(imports, group, model build) is paid once per layout.
+Env: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT (one process per rank; the
+launcher owns the rendezvous store, TORCHELASTIC_USE_AGENT_STORE=True).
+Args: MODEL_DIR OUT_DIR TP [distopt] (distopt: Megatron's DistributedOptimizer). Writes
+OUT_DIR/rank<R>.json with measured numbers; the test asserts on them. Every check runs in one
+process group so that the expensive start-up (imports, group, model build) is paid once per
+layout.
 """
 from __future__ import annotations
 
@@ -103,9 +105,9 @@ def shift_checks(res: dict, tr: MegatronTrainer, batch: RolloutBatch) -> None:
         + sum(p.untyped_storage().nbytes() for p in tr.model.parameters()))
     try:
         tr.train_step(batch)
-        res["step_while_offloaded_refused"] = False
-    except RuntimeError:
-        res["step_while_offloaded_refused"] = True
+        res["step_while_offloaded_error"] = None
+    except RuntimeError as e:  # torch raises one of its own on a freed param: keep the text
+        res["step_while_offloaded_error"] = str(e)
     res["reload_seconds"] = tr.reload()
     res["state_bitwise_after_reload"] = bitwise_equal(optimizer_snapshot(tr), state0)
     res["params_bitwise_after_reload"] = bitwise_equal(all_params(tr), params0)

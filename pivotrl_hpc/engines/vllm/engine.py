@@ -71,7 +71,7 @@ class VLLMEngine:
 
     def _reload(self, pairs: backend.WeightPairs) -> float:
         t0 = time.perf_counter()
-        backend.reload_weights(self._llm, pairs, self.options.tensor_parallel_size)
+        backend.reload_weights(self._llm, pairs, self.options.in_process_workers)
         return time.perf_counter() - t0
 
     def load_weights(self, weights: Weights) -> float:
@@ -134,7 +134,8 @@ class VLLMEngine:
 
     def _drop_engine(self) -> None:
         llm, self._llm = self._llm, None
-        backend.shutdown_llm(llm)
+        backend.shutdown_llm(llm, keep_groups=self.options.distributed_executor_backend
+                             == "external_launcher")
         del llm
         backend.release_host_memory()
 

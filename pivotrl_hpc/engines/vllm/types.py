@@ -28,6 +28,15 @@ class EngineOptions:
     enforce_eager: bool = True
     # GPU only: fraction of device memory vLLM may profile against (KV bytes are fixed above).
     gpu_memory_utilization: float = 0.9
+    # None: vLLM's default. "external_launcher": this process is one TP rank of the engine
+    # (torch world = the replica's ranks, RANK/LOCAL_RANK set; see runtime.engine_host).
+    distributed_executor_backend: str | None = None
+
+    @property
+    def in_process_workers(self) -> bool:
+        """Whether the model runner(s) this engine drives live in this process."""
+        return (self.tensor_parallel_size == 1
+                or self.distributed_executor_backend == "external_launcher")
 
     def __post_init__(self) -> None:
         if self.max_model_len <= 0 or self.kv_cache_memory_bytes <= 0:

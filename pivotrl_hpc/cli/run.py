@@ -1,0 +1,56 @@
+"""`pivotrl run CONFIG [key=value ...]`: run an RL job on this machine with mpirun.
+
+Every check runs before any process starts (config, overrides, files, CPU shares, cgroups);
+a failing one prints one line saying what to change and exits 2. Then the MPI world starts
+in the layout of `launch/layout.py`; stdout shows the controller's progress and the summary,
+each rank logs into <trace>.logs/rank-N.log. Exit: 0 done, 1 failed (the rank is named),
+128+signal when stopped by Ctrl-C / SIGTERM.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import yaml
+
+from pivotrl_hpc.config import ConfigError, load_config
+from pivotrl_hpc.launch.cgroup import CgroupError
+from pivotrl_hpc.launch.layout import LaunchError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", help="YAML config (configs/tiny-cpu.yaml)")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rl.steps=3")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="check, print the mpirun command and the rank layout, start nothing")
+    parser.add_argument("--np-check", action="store_true",
+                        help="start the MPI world once with a probe (no job) and check that "
+                             "every rank of the layout answers")
+    parser.add_argument("--no-cpu-cap", action="store_true",
+                        help="do not cap emulated devices with cgroup CPU quotas (when cgroups "
+                             "are not writable; paradigm comparisons then mean nothing)")
+
+
+def main(args: argparse.Namespace) -> int:
+    from pivotrl_hpc.launch import local
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+        run = local.prepare(cfg, cpu_cap=not args.no_cpu_cap)
+    except (ConfigError, LaunchError, CgroupError) as e:
+        print(f"pivotrl run: {e}", file=sys.stderr)
+        return 2
+    except yaml.YAMLError as e:
+        print(f"pivotrl run: {args.config} is not valid YAML: {' '.join(str(e).split())}",
+              file=sys.stderr)
+        return 2
+    if args.dry_run:
+        print(run.shell_line())
+        print(run.layout.describe())
+        print(f"run folder: {run.paths.logs}")
+        return 0
+    if args.np_check:
+        ok, message = local.np_check(run)
+        print(f"np check {'ok' if ok else 'FAILED'}: {message}")
+        return 0 if ok else 1
+    return local.launch(run)

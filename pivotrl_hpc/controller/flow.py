@@ -1,0 +1,155 @@
+"""Sequences through the two shift-aware schedulers: records, Dispatch, and step replies.
+
+The controller's record of a sequence (prompt, tokens so far, behaviour logprobs, budget,
+owner replica) is the source of truth for Abort and migration (appendix C.1): a sequence
+moved elsewhere resumes from the record, and progress from an earlier placement is ignored
+— even on the same replica, since a sequence preempted and re-dispatched there gets a new
+`epoch`, and a Step only counts for the placements it was sent to. So every sequence
+finishes exactly once and its final tokens equal the record (checked against the engine's
+own account on every finish).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from pivotrl_hpc.engines.vllm.types import Sampling, StepOutput
+from pivotrl_hpc.runtime.messages import SeqRequest
+from pivotrl_hpc.sched.scheduler import Scheduler
+from pivotrl_hpc.sched.state import Sequence
+
+
+class ControllerError(RuntimeError):
+    """The run cannot go on: names the replica/device, the command and the sequences."""
+
+    def __init__(self, message: str, device: int | None = None) -> None:
+        super().__init__(message)
+        self.device = device
+
+
+@dataclass
+class SeqRecord:
+    sid: int
+    role: str
+    prompt_ids: tuple[int, ...]
+    budget: int
+    sampling: Sampling
+    generated: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    replica: str | None = None         # owner; None while queued
+    epoch: int = 0                     # placements so far: a Step counts for the one it saw
+    version: int | None = None         # oldest policy version that generated a token
+    finished: bool = False
+
+    def request(self) -> SeqRequest:
+        return SeqRequest(str(self.sid), self.prompt_ids, tuple(self.generated),
+                          tuple(self.logprobs), self.budget - len(self.generated), self.sampling)
+
+    def as_sequence(self) -> Sequence:
+        return Sequence(self.sid, len(self.prompt_ids), len(self.generated))
+
+
+Finished = Callable[[SeqRecord, float], None]   # (record, now)
+Event = Callable[..., None]                      # trace hook: (event, record, replica)
+
+
+class RoleFlow:
+    """One generation role: its scheduler plus the records of its sequences."""
+
+    def __init__(self, role: str, scheduler: Scheduler, on_finished: Finished,
+                 on_event: Event) -> None:
+        self.role, self.sched = role, scheduler
+        self.records: dict[int, SeqRecord] = {}
+        self.on_finished, self.on_event = on_finished, on_event
+        self.versions: dict[str, int | None] = {}   # replica -> policy version it serves
+        self.tokens_total = 0
+        self.preempted: list[tuple[str, int]] = []  # (replica, sid) to abort on the engine
+
+    def submit(self, rec: SeqRecord) -> None:
+        if rec.sid in self.records:
+            raise ControllerError(f"{self.role}: sequence {rec.sid} submitted twice")
+        self.records[rec.sid] = rec
+        self.sched.submit(rec.as_sequence())
+        self.on_event("queue", rec, "")
+
+    def place_ids(self, dst: str, sids, event: str = "dispatch") -> list[SeqRequest]:
+        """Record that `sids` now run on `dst` (Dispatch or migration); the requests to send
+        it, each resuming from the record."""
+        reqs = []
+        for sid in sids:
+            rec = self.records[sid]
+            rec.replica = dst
+            rec.epoch += 1
+            reqs.append(rec.request())
+            self.on_event(event, rec, dst)
+        return reqs
+
+    def aborted(self, sids: list[int], replica: str) -> None:
+        """Sequences a shift down returned to the queue (already re-queued by Algorithm 3)."""
+        for sid in sids:
+            rec = self.records[sid]
+            if rec.replica == replica:
+                rec.replica = None
+                rec.epoch += 1
+            self.on_event("abort", rec, replica)
+
+    def placements(self, replica: str) -> dict[int, int]:
+        """The epochs of the sequences on `replica` now (taken when a Step is sent)."""
+        r = self.sched.replicas.get(replica)
+        return {sid: self.records[sid].epoch for sid in r.seqs} if r is not None else {}
+
+    def on_step(self, replica: str, outputs: list[StepOutput], now: float,
+                observe: Callable[[int, int, float], None], epochs: dict[int, int]) -> int:
+        """Apply one Step reply of `replica`, sent when its sequences had `epochs`; returns
+        the new tokens counted."""
+        r = self.sched.replicas.get(replica)
+        new = 0
+        for out in outputs:
+            if r is not None:
+                observe(r.n_seq, r.n_tok, out.seconds)
+            done = {f.seq_id for f in out.finished}
+            for p in out.progress:
+                sid = int(p.seq_id)
+                if self._current(replica, sid, epochs):
+                    new += self._progress(replica, sid, p.token_ids, p.logprobs,
+                                          p.seq_id in done)
+            for f in out.finished:
+                if self._current(replica, int(f.seq_id), epochs):
+                    self._finish(replica, int(f.seq_id), list(f.token_ids), now)
+        self.tokens_total += new
+        return new
+
+    def _current(self, replica: str, sid: int, epochs: dict[int, int]) -> bool:
+        """Output of this placement? A former owner's late output, or output of an earlier
+        placement on the same replica, is ignored: the record resumes where it stood."""
+        rec = self.records.get(sid)
+        return (rec is not None and not rec.finished and rec.replica == replica
+                and epochs.get(sid) == rec.epoch)
+
+    def _progress(self, replica: str, sid: int, tokens, logprobs, finishing: bool) -> int:
+        rec = self.records[sid]
+        rec.generated += tokens
+        rec.logprobs += logprobs
+        v = self.versions.get(replica)
+        if v is not None:
+            rec.version = v if rec.version is None else min(rec.version, v)
+        if not finishing and self.sched.grow(replica, sid, len(tokens)) is None:
+            rec.replica = None  # KV full: preempted back to the queue with its tokens
+            rec.epoch += 1
+            self.preempted.append((replica, sid))
+            self.on_event("preempt", rec, replica)
+        return len(tokens)
+
+    def _finish(self, replica: str, sid: int, tokens: list[int], now: float) -> None:
+        rec = self.records[sid]
+        if tokens != rec.generated:
+            raise ControllerError(
+                f"{self.role} replica {replica}: sequence {sid} finished with tokens that do "
+                f"not continue its record ({len(tokens)} vs {len(rec.generated)} tokens)")
+        self.sched.replicas[replica].remove(sid)
+        rec.finished, rec.replica = True, None
+        self.on_event("finish", rec, replica)
+        self.on_finished(rec, now)
+
+    def running(self) -> int:
+        return sum(r.n_seq for r in self.sched.replicas.values())

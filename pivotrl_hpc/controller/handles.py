@@ -1,0 +1,115 @@
+"""The controller's handle on device workers, and the per-device command queues.
+
+A `WorkerHandle` never blocks: `submit` hands a command over, `poll` returns the replies that
+are due now. Live, commands travel over MPI (`controller.mpi_handle`); in simulation, modeled
+workers answer at virtual times (`sim.modeled`). `Devices` keeps one command in flight per
+device, in FIFO order, so a shift down always precedes the shift up queued after it, and
+calls a completion when every device a command went to has answered (a replica may span
+several devices: its commands go to all of them, SPMD, and the first device leads).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol, Sequence, runtime_checkable
+
+from pivotrl_hpc.runtime.messages import Command, Reply
+
+
+@runtime_checkable
+class WorkerHandle(Protocol):
+    device: int
+
+    def submit(self, cmd: Command) -> None:
+        """Send one command; never blocks."""
+
+    def poll(self) -> list[Reply]:
+        """Replies that arrived (in order); never blocks."""
+
+    def next_reply_time(self) -> float | None:
+        """When the next reply is due, if the handle knows (simulation); else None."""
+
+
+OnDone = Callable[[list[Reply]], None]
+
+
+@dataclass
+class _Group:
+    """One logical command sent to several devices; done when all have answered."""
+    cmd: Command
+    devices: tuple[int, ...]
+    on_done: OnDone | None
+    replies: dict[int, Reply] = field(default_factory=dict)
+
+
+WORK = ("Step", "TrainStep")  # commands that are a device's useful work
+
+
+class Devices:
+    def __init__(self, handles: Sequence[WorkerHandle],
+                 now: Callable[[], float] | None = None) -> None:
+        self.handles = {h.device: h for h in handles}
+        self.now = now
+        self.work_s = {d: 0.0 for d in self.handles}   # seconds in Step / TrainStep
+        self._since: dict[int, float] = {}
+        self._queues: dict[int, deque[tuple[_Group, Command]]] = {d: deque() for d in self.handles}
+        self._inflight: dict[int, _Group | None] = {d: None for d in self.handles}
+
+    def send(self, devices: Sequence[int], cmd: Command | Callable[[int], Command],
+             on_done: OnDone | None = None) -> None:
+        """Queue `cmd` (or `cmd(device)` per device) on each device; `on_done(replies)` is
+        called once all have replied, leader's reply first."""
+        group = _Group(cmd, tuple(devices), on_done)
+        for d in group.devices:
+            self._queues[d].append((group, cmd(d) if callable(cmd) else cmd))
+            self._pump(d)
+
+    def busy(self, device: int) -> bool:
+        return self._inflight[device] is not None or bool(self._queues[device])
+
+    def pending(self, device: int) -> int:
+        return len(self._queues[device]) + (self._inflight[device] is not None)
+
+    def _pump(self, d: int) -> None:
+        if self._inflight[d] is None and self._queues[d]:
+            group, cmd = self._queues[d].popleft()
+            self._inflight[d] = group
+            if self.now is not None and type(cmd).__name__ in WORK:
+                self._since[d] = self.now()
+            self.handles[d].submit(cmd)
+
+    def collect(self) -> int:
+        """Take every reply due now; run completions. Returns the number of replies."""
+        n = 0
+        for d, handle in self.handles.items():
+            for reply in handle.poll():
+                n += 1
+                reply.device = d
+                if d in self._since:
+                    self.work_s[d] += self.now() - self._since.pop(d)
+                group = self._inflight[d]
+                self._inflight[d] = None
+                if group is None:
+                    raise RuntimeError(f"device {d} answered {reply.command} unasked")
+                group.replies[d] = reply
+                if len(group.replies) == len(group.devices) and group.on_done is not None:
+                    group.on_done([group.replies[x] for x in group.devices])
+                self._pump(d)
+        return n
+
+    def broadcast(self, cmd: Command) -> None:
+        """Send `cmd` to every device now, past the queues (Shutdown on exit)."""
+        for d, handle in self.handles.items():
+            self._queues[d].clear()
+            handle.submit(cmd)
+
+    def next_reply_time(self) -> float | None:
+        times = [t for h in self.handles.values() if (t := h.next_reply_time()) is not None]
+        return min(times) if times else None
+
+    def idle(self) -> bool:
+        return not any(self.busy(d) for d in self.handles)
+
+
+def leader_result(replies: list[Reply]) -> Any:
+    return replies[0].result

@@ -1,0 +1,140 @@
+"""The live job on global rank 0: config -> task, policy, MPI handles, trace -> the loop.
+
+`run_job` is what the launcher calls on rank 0 (`launch.entry`); the same `Controller` runs
+in the simulator with modeled workers. It returns the summary and writes it as JSON next to
+the trace; the trace is closed (readable) on every exit path.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import resource
+import socket
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from pivotrl_hpc.config.load import to_dict
+from pivotrl_hpc.config.schema import Config
+from pivotrl_hpc.controller.clock import MonotonicClock
+from pivotrl_hpc.controller.decide import ThreadDecider
+from pivotrl_hpc.controller.handles import Devices
+from pivotrl_hpc.controller.loop import Controller, LoopConfig
+from pivotrl_hpc.controller.monitor import RoleModel
+from pivotrl_hpc.controller.mpi_handle import MPIWorkerHandle
+from pivotrl_hpc.controller.policy import TauTracker, initial_tau, make_paradigm_policy
+from pivotrl_hpc.controller.report import format_summary
+from pivotrl_hpc.controller.rl import Lengths, RLBook
+from pivotrl_hpc.controller.task import ArithmeticTask
+from pivotrl_hpc.plan.types import ReplicaSpec, ShiftPlan
+from pivotrl_hpc.sched.model import ThroughputModel
+
+log = logging.getLogger(__name__)
+
+FIXED = ("colocated", "disaggregated", "rr_colocated")  # they place their own replicas
+
+
+def kv_tokens(model_dir: str, kv_cache_mb: int, dtype: str) -> int:
+    """Tokens a KV cache of `kv_cache_mb` holds for this model (K and V, every layer)."""
+    c = json.loads((Path(model_dir) / "config.json").read_text())
+    head = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    per_token = 2 * c["num_hidden_layers"] * c.get("num_key_value_heads",
+                                                   c["num_attention_heads"]) * head
+    return kv_cache_mb * 2**20 // (per_token * (2 if dtype != "float32" else 4))
+
+
+def loop_config(cfg: Config) -> LoopConfig:
+    r = cfg.roles
+    return LoopConfig(
+        gpus=cfg.total_devices,
+        replica_gpus={"rollout": r.rollout_replica_size, "reward": r.reward_replica_size},
+        kv_capacity={"rollout": kv_tokens(cfg.models.policy.path, r.kv_cache_mb,
+                                          cfg.models.policy.dtype),
+                     "reward": kv_tokens(cfg.models.genrm.path, r.kv_cache_mb,
+                                         cfg.models.genrm.dtype)},
+        training_devices=tuple(range(r.train_devices)), steps=cfg.rl.steps,
+        planner_interval_s=cfg.paradigm.planner_interval_s,
+        log_interval_s=cfg.trace.log_interval_s, eval_every=cfg.rl.eval_every,
+        ignore_eos_judge=cfg.workload.length_mode == "budget")
+
+
+def role_models(cfg: Config) -> dict[str, RoleModel]:
+    """From the profile file when named (fixed), else the config's constants, refitted."""
+    if cfg.paradigm.throughput_profile:
+        data = yaml.safe_load(Path(cfg.paradigm.throughput_profile).read_text())
+        return {role: RoleModel(ThroughputModel.from_dict(data[model]), True)
+                for role, model in (("rollout", "policy"), ("reward", "genrm"))}
+    t = cfg.throughput
+    return {"rollout": RoleModel(ThroughputModel(**vars(t.policy)), False),
+            "reward": RoleModel(ThroughputModel(**vars(t.genrm)), False)}
+
+
+def bootstrap_plan(cfg: Config) -> ShiftPlan | None:
+    """The initial allocation of the non-fixed paradigms: rollout slots from device 0 up,
+    then reward slots, as many devices as `paradigm.initial_*_devices` say."""
+    if cfg.paradigm.name in FIXED:
+        return None
+    p, r = cfg.paradigm, cfg.roles
+    ups, d = [], 0
+    for role, count, size in (("rollout", p.initial_rollout_devices, r.rollout_replica_size),
+                              ("reward", p.initial_reward_devices, r.reward_replica_size)):
+        d = -(-d // size) * size
+        for _ in range(count // size):
+            ups.append(ReplicaSpec(role, tuple(range(d, d + size))))
+            d += size
+    return ShiftPlan((), tuple(ups), "initial allocation") if ups else None
+
+
+def lengths(cfg: Config) -> Lengths:
+    w, m = cfg.workload, cfg.models
+    return Lengths(w.length_mode, w.rollout_median, w.rollout_sigma, m.policy.max_response_len,
+                   w.genrm_median, w.genrm_sigma, m.genrm.max_response_len)
+
+
+def build_controller(cfg: Config, devices: Devices, clock, trace) -> Controller:
+    task = ArithmeticTask(cfg.models.policy.path, cfg.models.genrm.path,
+                          cfg.models.policy.max_prompt_len, cfg.models.genrm.max_prompt_len)
+    prompts = task.load(cfg.data.train)
+    validation = task.load(cfg.data.validation, cfg.rl.eval_prompts) if (
+        cfg.data.validation and cfg.rl.eval_every) else []
+    book = RLBook(prompts, steps=cfg.rl.steps, batch_size=cfg.rl.batch_size,
+                  group_size=cfg.rl.group_size, staleness=cfg.rl.staleness,
+                  lengths=lengths(cfg), temperature=cfg.rl.temperature, seed=cfg.rl.seed)
+    policy = make_paradigm_policy(cfg)
+    tau = TauTracker(initial_tau(cfg))
+    tau.attach(policy)
+    return Controller(loop_config(cfg), clock, devices, policy, book, task, role_models(cfg),
+                      tau, trace, ThreadDecider(), validation, bootstrap_plan(cfg))
+
+
+def run_job(cfg: Config, comm, layout, trace_path: str | Path) -> dict[str, Any]:
+    """Run the RL job from rank 0 against the worker ranks of `layout` (launch.layout
+    RankLayout); returns the summary (the launcher writes it next to the trace)."""
+    device_ranks = {d: layout.worker_rank(d) for d in layout.devices}
+    return run_on(cfg, comm, device_ranks, trace_path)
+
+
+def run_on(cfg: Config, comm, device_ranks: Mapping[int, int], trace_path: str | Path
+           ) -> dict[str, Any]:
+    from pivotrl_hpc.trace import TraceWriter
+
+    clock = MonotonicClock()
+    devices = Devices([MPIWorkerHandle(comm, rank, d) for d, rank in sorted(device_ranks.items())],
+                      clock.now)
+    meta = {"config": to_dict(cfg), "paradigm": cfg.paradigm.name, "host": socket.gethostname(),
+            "device_ranks": {str(d): r for d, r in device_ranks.items()}}
+    trace = TraceWriter(str(trace_path), meta)
+    summary: dict[str, Any] | None = None
+    try:
+        ctl = build_controller(cfg, devices, clock, trace)
+        summary = ctl.run()
+        summary["controller_peak_rss_mb"] = resource.getrusage(
+            resource.RUSAGE_SELF).ru_maxrss / 1024
+        log.info("summary:\n%s", format_summary(summary))
+        return summary
+    except BaseException as exc:
+        trace.append("events", t=clock.now(), kind="error", message=f"{type(exc).__name__}: {exc}")
+        raise
+    finally:
+        trace.close(summary)

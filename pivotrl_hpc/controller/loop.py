@@ -1,0 +1,315 @@
+"""The controller's loop: one loop for every paradigm (they differ only in the policy).
+
+    while not ctl.done():
+        ctl.collect()        # replies -> schedulers, RL book, shifts
+        ctl.maybe_plan()     # interval or event; the decision runs beside the loop
+        ctl.admit()          # staleness-bounded admission of prompts
+        ctl.dispatch()       # Dispatch(Q, R) on both schedulers
+        ctl.drive()          # Step the inference replicas that have work
+        ctl.maybe_train()    # TrainStep when the next batch is ready and training is up
+        ctl.monitor()        # timeseries, progress line
+        clock.wait_until(ctl.next_event())
+
+Written against a `Clock` and `WorkerHandle`s only: no sleeps, MPI or engines in here, so
+the cluster simulator drives the very same code with virtual time and modeled workers.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from pivotrl_hpc.controller.clock import Clock
+from pivotrl_hpc.controller.decide import Decider, InlineDecider
+from pivotrl_hpc.controller.executor import MIGRATE, Action, PlanError, check_plan
+from pivotrl_hpc.controller.flow import ControllerError, RoleFlow, SeqRecord
+from pivotrl_hpc.controller.handles import Devices
+from pivotrl_hpc.controller.monitor import RoleModel, TrainingView, snapshot
+from pivotrl_hpc.controller.policy import TauTracker
+from pivotrl_hpc.controller.report import NullTrace, Reporter
+from pivotrl_hpc.controller.rl import RLBook, Sample, Task
+from pivotrl_hpc.controller.shifts import Executor, TrainingUnit
+from pivotrl_hpc.engines.vllm.types import Sampling
+from pivotrl_hpc.plan.snapshot import GEN_ROLES, WorkloadSnapshot
+from pivotrl_hpc.plan.types import AllocationPolicy, ShiftPlan
+from pivotrl_hpc.runtime.messages import Reload, Reply, Shutdown, Step, TrainBatch, TrainStep, WaitWrite
+from pivotrl_hpc.sched.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoopConfig:
+    gpus: int
+    replica_gpus: dict[str, int]          # rollout / reward devices per replica
+    kv_capacity: dict[str, int]           # tokens per replica
+    training_devices: tuple[int, ...]
+    steps: int
+    planner_interval_s: float = 5.0
+    log_interval_s: float = 5.0
+    step_iterations: int = 4              # engine iterations per Step command
+    eval_every: int = 0
+    judge_greedy: bool = True
+    ignore_eos_judge: bool = True
+
+
+class Controller:
+    def __init__(self, cfg: LoopConfig, clock: Clock, devices: Devices,
+                 policy: AllocationPolicy, book: RLBook, task: Task,
+                 models: dict[str, RoleModel], tau: TauTracker, trace,
+                 decider: Decider | None = None, validation: Sequence = (),
+                 bootstrap: ShiftPlan | None = None) -> None:
+        self.cfg, self.clock, self.devices = cfg, clock, devices
+        self.policy, self.book, self.task, self.models = policy, book, task, models
+        self.tau, self.trace = tau, trace if trace is not None else NullTrace()
+        self.decider = decider or InlineDecider()
+        self.validation = list(validation)
+        self.flows = {role: RoleFlow(role, Scheduler(models[role].model), self._finished,
+                                     self._seq_event) for role in GEN_ROLES}
+        self.training = TrainingUnit(tuple(cfg.training_devices))
+        self.executor = Executor(devices, self.flows, self.training, cfg.kv_capacity, tau,
+                                 self.trace, clock.now, self._event)
+        self.report = Reporter(self, self.trace)
+        self.step = 0                       # next step to train
+        self.published = 0                  # policy version every node holds
+        self._plan_at = 0.0
+        self._events = True
+        self._bootstrap = bootstrap
+        self._eval_pending: dict[int, int] = {}   # step -> validation samples outstanding
+        self._eval_correct: dict[int, int] = {}
+
+    # --- the loop ----------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        ok = False
+        try:
+            if self._bootstrap is not None:
+                self.executor.execute(self._bootstrap)
+            while not self.done():
+                self.collect()
+                self.maybe_plan()
+                self.admit()
+                self.dispatch()
+                self.drive()
+                self.maybe_train()
+                self.monitor()
+                self.clock.wait_until(self.next_event())
+            ok = True
+            return self.report.summary()
+        finally:
+            self.trace.flush()  # readable whatever happens next (a dead worker gets us killed)
+            # A failed run waits only briefly for answers: a dead worker never replies.
+            self.shutdown(60.0 if ok else 5.0)
+
+    def done(self) -> bool:
+        return (self.step >= self.cfg.steps and not self.training.active
+                and not self._eval_pending)
+
+    def collect(self) -> None:
+        self.devices.collect()
+        for role, flow in self.flows.items():
+            for replica, sid in flow.preempted:
+                info = self.executor.book.replicas.get(replica)
+                if info is not None:
+                    self.executor.apply(Action(MIGRATE, "abort", role, replica, info.devices,
+                                               (sid,)), None)
+            flow.preempted.clear()
+
+    # --- planning ----------------------------------------------------------------------
+    def maybe_plan(self) -> None:
+        got = self.decider.poll()
+        if got is not None:
+            self._execute(*got)
+        now = self.clock.now()
+        if (self.decider.busy or self.executor.book.in_flight or self.training.shifting
+                or not (self._events or now >= self._plan_at)):
+            return
+        self._events, self._plan_at = False, now + self.cfg.planner_interval_s
+        self.decider.start(self.policy, self.snapshot())
+
+    def _execute(self, snap: WorkloadSnapshot, plan: ShiftPlan | None, report: Any,
+                 seconds: float) -> None:
+        """Re-check the plan against the state now (the loop went on while it was made)."""
+        executed, reason = 0, "no shift" if plan is None else plan.reason
+        if plan is not None and not self.executor.book.in_flight:
+            try:
+                check_plan(plan, self.executor.book.replicas, self.training.devices,
+                           self.training.up, self.training.active, self.cfg.gpus)
+                self.executor.execute(plan)
+                executed = 1
+            except PlanError as exc:
+                reason = f"discarded: {exc}"
+        self.report.planner(snap, plan, report, seconds, executed, reason)
+
+    def snapshot(self) -> WorkloadSnapshot:
+        tr = self.training
+        view = TrainingView(tr.devices, tr.up, tr.active, self.book.batch_ready(self.step))
+        devices_of = {rid: info.devices for rid, info in self.executor.book.replicas.items()}
+        return snapshot(self.cfg.gpus, self.cfg.replica_gpus, self.cfg.kv_capacity,
+                        self.models, {r: f.sched for r, f in self.flows.items()},
+                        devices_of, view, self.clock.now())
+
+    def _event(self) -> None:
+        self._events = True
+
+    # --- sequences ---------------------------------------------------------------------
+    def gen_version(self) -> int:
+        """The oldest policy version a rollout replica serves (or will, once up)."""
+        served = [v for v in self.flows["rollout"].versions.values() if v is not None]
+        return min(served + [self.published])
+
+    def admit(self) -> None:
+        for s in self.book.admit(self.gen_version(), self.clock.now()):
+            self._submit_rollout(s)
+            self._events = True
+
+    def _submit_rollout(self, s: Sample) -> None:
+        self.flows["rollout"].submit(SeqRecord(s.sid, "rollout", s.prompt.prompt_ids,
+                                               s.budget, s.sampling))
+
+    def dispatch(self) -> None:
+        for role, flow in self.flows.items():
+            moves = flow.sched.dispatch()
+            by_dst: dict[str, list[int]] = {}
+            for m in moves:
+                by_dst.setdefault(m.dst, []).append(m.seq_id)
+            for dst, sids in by_dst.items():
+                info = self.executor.book.replicas[dst]
+                self.executor.apply(Action(MIGRATE, "add", role, dst, info.devices,
+                                           tuple(sids)), None)
+
+    def drive(self) -> None:
+        """Step every replica that has work and whose devices are all free (a TP replica's
+        devices run in lockstep: one Step at a time on all of them)."""
+        for role, flow in self.flows.items():
+            for rid, r in flow.sched.replicas.items():
+                info = self.executor.book.replicas[rid]
+                if r.n_seq and not any(self.devices.busy(d) for d in info.devices):
+                    self.devices.send(info.devices, Step(self.cfg.step_iterations),
+                                      self._stepped(role, rid, flow.placements(rid)))
+
+    def _stepped(self, role: str, rid: str, epochs: dict[int, int]):
+        def done(replies: list[Reply]) -> None:
+            self.executor._check(replies)
+            new = self.flows[role].on_step(rid, replies[0].result, self.clock.now(),
+                                           lambda n, t, s: self._observe(role, n, t, s),
+                                           epochs)
+            self.report.tokens(role, new)
+        return done
+
+    def _observe(self, role: str, n_seq: int, n_tok: int, seconds: float) -> None:
+        """One decode step's latency -> the online fit; Dispatch uses the model in use."""
+        fit = self.models[role].observe(n_seq, n_tok, seconds)
+        if fit is not None:
+            self.flows[role].sched.model = self.models[role].model
+            self.report.fit(role, fit)
+
+    def _seq_event(self, event: str, rec: SeqRecord, replica: str) -> None:
+        self.report.sequence(event, rec, replica)
+
+    def _finished(self, rec: SeqRecord, now: float) -> None:
+        self._events = True
+        s = self.book.samples[rec.sid]
+        if rec.role == "rollout":
+            self.book.rolled(rec.sid, rec.generated, rec.logprobs, rec.version, self.task)
+            if s.batch < 0:
+                self._validated(s)
+                return
+            greedy = Sampling(temperature=0.0, ignore_eos=self.cfg.ignore_eos_judge)
+            self.flows["reward"].submit(SeqRecord(s.sid, "reward", tuple(s.judge_prompt),
+                                                  s.judge_budget, greedy))
+        else:
+            self.book.rewarded(rec.sid, rec.generated, self.task)
+            self.report.sequence("reward", rec, "")
+
+    # --- training ----------------------------------------------------------------------
+    def maybe_train(self) -> None:
+        tr = self.training
+        if not tr.up or tr.active or tr.shifting or not self.book.batch_ready(self.step):
+            return
+        samples = self.book.batch_samples(self.step)
+        batch = TrainBatch(tuple(s.prompt.prompt_ids for s in samples),
+                           tuple(tuple(s.response) for s in samples),
+                           tuple(tuple(s.logprobs) for s in samples),
+                           tuple(s.score.reward for s in samples),
+                           tuple(s.prompt.pid for s in samples))
+        tr.active = True
+        step, t0 = self.step, self.clock.now()
+        self.devices.send(tr.devices, TrainStep(batch, publish=True),
+                          lambda replies: self._trained(step, t0, replies))
+
+    def _trained(self, step: int, t0: float, replies: list[Reply]) -> None:
+        self.executor._check(replies)
+        metrics = replies[0].result
+        samples = self.book.trained(step)
+        self.step = step + 1
+        self._events = True
+        self.report.step(step, metrics, samples, self.clock.now() - t0)
+        # The GPS Write replicates while the loop goes on (§5.1); rollout reloads after.
+        self.devices.send(self.training.devices, WaitWrite(), self._published)
+
+    def _published(self, replies: list[Reply]) -> None:
+        self.executor._check(replies)
+        self.published = int(replies[0].result)
+        self.training.active = False
+        self._events = True
+        for rid, info in self.executor.book.replicas.items():
+            if info.role == "rollout":
+                self.devices.send(info.devices, Reload(self.published), self._reloaded(rid))
+        if self.cfg.eval_every and self.step % self.cfg.eval_every == 0 and self.validation:
+            self._start_eval(self.step)
+
+    def _reloaded(self, rid: str):
+        def done(replies: list[Reply]) -> None:
+            self.executor._check(replies)
+            if rid in self.flows["rollout"].versions:
+                self.flows["rollout"].versions[rid] = replies[0].result["version"]
+        return done
+
+    # --- validation --------------------------------------------------------------------
+    def _start_eval(self, step: int) -> None:
+        samples = self.book.validation(self.validation)
+        for s in samples:
+            s.batch = -1 - step  # negative: validation of the policy after `step` steps
+            self._submit_rollout(s)
+        self._eval_pending[step], self._eval_correct[step] = len(samples), 0
+
+    def _validated(self, s: Sample) -> None:
+        step = -1 - s.batch
+        self._eval_correct[step] += int(self.task.correct(s.prompt, s.response))
+        self._eval_pending[step] -= 1
+        if self._eval_pending[step] == 0:
+            del self._eval_pending[step]
+            self.report.validation(step, self._eval_correct[step] / len(self.validation))
+
+    # --- monitor, waiting, shutdown ----------------------------------------------------
+    def monitor(self) -> None:
+        self.report.tick(self.clock.now())
+
+    def next_event(self) -> float:
+        """The earliest of: a reply due (simulation), the next planning round, the next
+        progress line. Nothing pending at all: one planner interval on."""
+        now = self.clock.now()
+        due = [self._plan_at, self.report.next_tick, self.devices.next_reply_time()]
+        later = [t for t in due if t is not None and t > now]
+        return min(later) if later else now + self.cfg.planner_interval_s
+
+    def shutdown(self, timeout_s: float = 60.0) -> None:
+        """Every worker gets Shutdown on every exit path. Replies still in flight are
+        drained until each worker has answered it (a worker blocked sending a large reply
+        would otherwise never see its Shutdown)."""
+        self.decider.close()
+        try:
+            self.devices.broadcast(Shutdown())
+            left = set(self.devices.handles)
+            deadline = self.clock.now() + timeout_s
+            while left and self.clock.now() < deadline:
+                for d in list(left):
+                    if any(r.command == "Shutdown" for r in self.devices.handles[d].poll()):
+                        left.discard(d)
+                nxt = self.devices.next_reply_time()
+                self.clock.wait_until(nxt if nxt is not None else self.clock.now() + 0.01)
+            if left:
+                log.error("devices %s did not answer Shutdown within %.0f s", sorted(left),
+                          timeout_s)
+        except Exception:  # noqa: BLE001 - a dead worker must not hide the original error
+            log.exception("shutdown broadcast failed")

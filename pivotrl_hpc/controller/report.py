@@ -1,0 +1,184 @@
+"""What the controller tells people and the trace: rows, one progress line per interval,
+and the end-of-run summary.
+
+End-to-end throughput follows the paper (§8.1): the prompt and response tokens of every
+sample trained on, summed over the steps, divided by the seconds from the run's start to
+the end of the last step — counted the same way for every paradigm (docs/trace.md).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+from typing import TYPE_CHECKING, Any
+
+from pivotrl_hpc.controller.rl import Sample, lag
+from pivotrl_hpc.plan.snapshot import GEN_ROLES
+
+if TYPE_CHECKING:
+    from pivotrl_hpc.controller.loop import Controller
+
+log = logging.getLogger(__name__)
+
+
+class NullTrace:
+    def append(self, table: str, **row: Any) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+
+class Reporter:
+    def __init__(self, ctl: "Controller", trace) -> None:
+        self.ctl, self.trace = ctl, trace or NullTrace()
+        self.next_tick = 0.0
+        self._window = {r: 0 for r in GEN_ROLES}
+        self._last_t = 0.0
+        self.steps: list[dict[str, Any]] = []
+        self.validations: list[dict[str, Any]] = []
+        self.max_lag = 0
+        self.trained_tokens = 0
+
+    # --- rows --------------------------------------------------------------------------
+    def sequence(self, event: str, rec, replica: str) -> None:
+        self.trace.append("sequences", t=self.ctl.clock.now(), seq_id=str(rec.sid),
+                          event=event, role=rec.role, replica=replica,
+                          tokens=len(rec.generated),
+                          version=-1 if rec.version is None else rec.version)
+
+    def tokens(self, role: str, n: int) -> None:
+        self._window[role] += n
+
+    def fit(self, role: str, fit) -> None:
+        if fit is None:
+            return
+        m = fit.model
+        self.trace.append("fits", t=self.ctl.clock.now(), role=role, A=m.A, B=m.B, C=m.C,
+                          D=m.D, error=fit.rel_rms_error,
+                          samples=len(self.ctl.models[role].samples))
+        used = self.ctl.models[role].model == m
+        log.info("fitted %s throughput model: %s (error %.1f %%, %s)", role, m.to_dict(),
+                 100 * fit.rel_rms_error, "in use" if used else "too rough, not used")
+
+    def planner(self, snap, plan, report, seconds: float, executed: int, reason: str) -> None:
+        cands = [c.to_dict() for c in report.candidates] if report is not None else (
+            [plan.to_dict()] if plan is not None else [])
+        chosen = -1
+        if plan is not None and report is not None:
+            chosen = next((i for i, c in enumerate(report.candidates)
+                           if c.shift_down == plan.shift_down and c.up == plan.shift_up), -1)
+        elif plan is not None:
+            chosen = 0
+        self.trace.append("planner", t=self.ctl.clock.now(),
+                          plan_id=self.ctl.executor.book.plans - 1 if executed else -1,
+                          policy=self.ctl.policy.name, decision_s=seconds, chosen=chosen,
+                          reason=reason, executed=executed, snapshot=snap.to_dict(),
+                          candidates=cands)
+
+    def step(self, step: int, metrics: dict, samples: list[Sample], seconds: float) -> None:
+        rewards = [s.score.reward for s in samples]
+        lags = [lag(s) for s in samples]
+        self.max_lag = max([self.max_lag] + lags)
+        tokens = sum(s.tokens for s in samples)
+        self.trained_tokens += tokens
+        row = {"t": self.ctl.clock.now(), "step": step, "version": int(metrics.get(
+            "gps_version", step + 1)), "samples": len(samples), "tokens": tokens,
+            "reward_mean": statistics.fmean(rewards),
+            "reward_std": statistics.pstdev(rewards),
+            "verifiable_mean": statistics.fmean(s.score.verifiable for s in samples),
+            "genrm_mean": statistics.fmean(s.score.genrm for s in samples),
+            "unparsed": sum(not s.score.parsed for s in samples),
+            "loss": float(metrics.get("loss", math.nan)), "max_lag": max(lags),
+            "seconds": seconds}
+        self.steps.append(row)
+        self.trace.append("steps", **row)
+        self.trace.flush()
+        log.info("step %d done: reward %.3f, loss %.4f, lag <= %d, %.1f s", step,
+                 row["reward_mean"], row["loss"], row["max_lag"], seconds)
+
+    def validation(self, step: int, accuracy: float) -> None:
+        self.validations.append({"step": step, "accuracy": accuracy, "t": self.ctl.clock.now()})
+        self.trace.append("events", t=self.ctl.clock.now(), kind="info",
+                          message=f"validation after step {step}: accuracy {accuracy:.3f}")
+
+    # --- periodic ----------------------------------------------------------------------
+    def tick(self, now: float) -> None:
+        if now < self.next_tick:
+            return
+        dt = max(now - self._last_t, 1e-9)
+        ctl = self.ctl
+        parts = []
+        for role in GEN_ROLES:
+            flow = ctl.flows[role]
+            reps = flow.sched.replicas
+            devices = sum(len(ctl.executor.book.replicas[r].devices) for r in reps)
+            rate = self._window[role] / dt
+            self.trace.append("timeseries", t=now, role=role, devices=devices,
+                              replicas=len(reps), running=flow.running(),
+                              queued=len(flow.sched.queue), tokens_per_s=rate,
+                              tokens_total=flow.tokens_total)
+            parts.append(f"{role} {devices} dev {rate:.0f} tok/s")
+            self._window[role] = 0
+        tr = ctl.training
+        self.trace.append("timeseries", t=now, role="training",
+                          devices=len(tr.devices) if tr.up else 0, replicas=int(tr.up),
+                          running=int(tr.active), queued=0, tokens_per_s=0.0,
+                          tokens_total=self.trained_tokens)
+        self.trace.flush()
+        log.info("step %d/%d v%d | %s | training %s | shifts %d", ctl.step, ctl.cfg.steps,
+                 ctl.published, " | ".join(parts), "up" if tr.up else "down",
+                 sum(ctl.executor.book.count.values()))
+        self._last_t, self.next_tick = now, now + ctl.cfg.log_interval_s
+
+    # --- the end -----------------------------------------------------------------------
+    def summary(self) -> dict[str, Any]:
+        ctl, book = self.ctl, self.ctl.executor.book
+        end = self.steps[-1]["t"] if self.steps else ctl.clock.now()
+        shifts = {k: {"count": len(v), "mean_s": statistics.fmean(v),
+                      "phases_mean_s": {p: s / len(v) for p, s in book.phases[k].items()}}
+                  for k, v in book.by_role.items()}
+        return {
+            "paradigm": ctl.policy.name, "steps": ctl.step, "seconds": end,
+            "tokens_per_s": self.trained_tokens / end if end > 0 else 0.0,
+            "trained_tokens": self.trained_tokens,
+            "role_tokens_per_s": {r: ctl.flows[r].tokens_total / end if end > 0 else 0.0
+                                  for r in GEN_ROLES},
+            "shifts": sum(book.count.values()), "shifts_by_kind": dict(book.count),
+            "shift_seconds": shifts, "tau_shift": dict(ctl.tau.tau),
+            "reward_per_step": [{"step": s["step"], "t": s["t"], "reward": s["reward_mean"]}
+                                for s in self.steps],
+            "validation": self.validations, "max_lag": self.max_lag,
+            "staleness_held_s": ctl.book.held_s, "unparsed_genrm": ctl.book.unparsed,
+            "in_flight_at_end": ctl.book.in_flight(),
+            # device-seconds not spent in Step or TrainStep (shifting counts as idle)
+            "idle_fraction": self.idle_fraction(end),
+        }
+
+    def idle_fraction(self, end: float) -> float | None:
+        work = self.ctl.devices.work_s
+        if self.ctl.devices.now is None or end <= 0:
+            return None
+        return max(0.0, 1.0 - sum(work.values()) / (len(work) * end))
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    """The end-of-run summary for a person (the JSON next to the trace has it all)."""
+    lines = [f"{s['paradigm']}: {s['steps']} steps in {s['seconds']:.1f} s, "
+             f"end-to-end {s['tokens_per_s']:.1f} tokens/s ({s['trained_tokens']} tokens trained)",
+             "  per role tokens/s: " + ", ".join(f"{r} {v:.1f}" for r, v in
+                                                s["role_tokens_per_s"].items()),
+             f"  shifts: {s['shifts']} " + (str(s["shifts_by_kind"]) if s["shifts"] else "")]
+    for kind, v in sorted(s["shift_seconds"].items()):
+        lines.append(f"    {kind}: {v['count']} x {v['mean_s']:.2f} s")
+    lines.append("  reward per step: " + ", ".join(
+        f"{r['step']}:{r['reward']:.3f}@{r['t']:.0f}s" for r in s["reward_per_step"]))
+    if s["validation"]:
+        lines.append("  validation accuracy: " + ", ".join(
+            f"after {v['step']}: {v['accuracy']:.3f}" for v in s["validation"]))
+    if s.get("idle_fraction") is not None:
+        lines.append(f"  device idle fraction {s['idle_fraction']:.2f}")
+    lines.append(f"  max version lag {s['max_lag']}, admission held {s['staleness_held_s']:.1f} s"
+                 f" by staleness, unparsed GenRM verdicts {s['unparsed_genrm']}, "
+                 f"samples in flight at the end {s['in_flight_at_end']}")
+    return "\n".join(lines)

@@ -1,0 +1,198 @@
+"""RL bookkeeping of the controller (paper §2, §8.1): prompts -> GRPO groups -> samples ->
+judge sequences -> rewards -> training batches, with staleness as admission control.
+
+Staleness k (paper footnote 4): the version lag between the policy that generated a sample
+and the policy trained on it. Prompt i lands in batch `i // batch_size` (the batch of step
+b trains policy version b into b + 1), and its rollout starts only when that batch is at
+most k versions ahead of the oldest policy any rollout replica serves. So every trained
+sample has lag <= k and no generated sample is ever discarded; the burst admitted after each
+step is what drives the shifts. Pure: no I/O, no clocks (times are passed in).
+"""
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+from pivotrl_hpc.engines.vllm.types import Sampling
+
+
+@dataclass(frozen=True)
+class PromptData:
+    pid: int
+    prompt_ids: tuple[int, ...]
+    problem: str
+    answer: str
+
+
+@dataclass(frozen=True)
+class Score:
+    verifiable: float   # 1 if the response's answer is right
+    genrm: float        # the GenRM's score in [0, 1]
+    parsed: bool        # False: the judgement had no verdict (defined score 0, counted)
+
+    @property
+    def reward(self) -> float:
+        """R = R_verifiable + R_GenRM (§8.1), halved to keep the 0-1 scale."""
+        return 0.5 * (self.verifiable + self.genrm)
+
+
+class Task(Protocol):
+    """What the RL loop needs from the task: judge prompts and scores (token ids in and out)."""
+
+    def judge_prompt(self, prompt: PromptData, response_ids: Sequence[int]) -> list[int]: ...
+
+    def score(self, prompt: PromptData, response_ids: Sequence[int],
+              judge_ids: Sequence[int]) -> Score: ...
+
+    def correct(self, prompt: PromptData, response_ids: Sequence[int]) -> bool: ...
+
+
+@dataclass
+class Sample:
+    """One response of a GRPO group, from admission to training."""
+    sid: int
+    prompt: PromptData
+    batch: int                       # the step it is trained in (-1: validation)
+    budget: int                      # max new tokens
+    sampling: Sampling
+    judge_budget: int = 0
+    response: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    version: int | None = None       # oldest policy version that generated its tokens
+    judge_prompt: list[int] = field(default_factory=list)
+    judgement: list[int] = field(default_factory=list)
+    score: Score | None = None
+    state: str = "admitted"          # admitted, rolled, rewarded, trained
+
+    @property
+    def tokens(self) -> int:
+        """Prompt + response tokens: what end-to-end throughput counts (docs/trace.md)."""
+        return len(self.prompt.prompt_ids) + len(self.response)
+
+
+@dataclass(frozen=True)
+class Lengths:
+    """Per-sample length budgets: log-normal (median, sigma) capped, or the cap (eos mode)."""
+    mode: str
+    rollout_median: int
+    rollout_sigma: float
+    rollout_cap: int
+    genrm_median: int
+    genrm_sigma: float
+    genrm_cap: int
+
+    def draw(self, rng: random.Random, median: int, sigma: float, cap: int) -> int:
+        if self.mode == "eos":
+            return cap
+        return max(1, min(cap, int(round(math.exp(rng.gauss(math.log(median), sigma))))))
+
+
+class RLBook:
+    def __init__(self, prompts: Sequence[PromptData], *, steps: int, batch_size: int,
+                 group_size: int, staleness: int, lengths: Lengths, temperature: float,
+                 seed: int = 0) -> None:
+        self.prompts, self.steps = list(prompts), steps
+        self.batch_size, self.group_size, self.k = batch_size, group_size, staleness
+        self.lengths, self.temperature = lengths, temperature
+        self.rng = random.Random(seed)
+        self.samples: dict[int, Sample] = {}
+        self.next_prompt = 0               # prompts admitted so far
+        self.next_sid = 0
+        self.held_s = 0.0                  # seconds admission was held by the staleness bound
+        self._held_since: float | None = None
+        self.unparsed = 0
+
+    # --- admission ---------------------------------------------------------------------
+    def batch_of(self, i: int) -> int:
+        return i // self.batch_size
+
+    def admit(self, gen_version: int, now: float) -> list[Sample]:
+        """Admit every prompt whose batch is at most k ahead of `gen_version`."""
+        out: list[Sample] = []
+        total = self.steps * self.batch_size
+        while self.next_prompt < total and self.batch_of(self.next_prompt) - gen_version <= self.k:
+            prompt = self.prompts[self.next_prompt % len(self.prompts)]
+            out += self._group(prompt, self.batch_of(self.next_prompt))
+            self.next_prompt += 1
+        blocked = self.next_prompt < total
+        if blocked and self._held_since is None:
+            self._held_since = now
+        elif not blocked or out:
+            self._release(now)
+        return out
+
+    def _release(self, now: float) -> None:
+        if self._held_since is not None:
+            self.held_s += now - self._held_since
+            self._held_since = None
+
+    def _group(self, prompt: PromptData, batch: int) -> list[Sample]:
+        L = self.lengths
+        group = []
+        for _ in range(self.group_size):
+            budget = L.draw(self.rng, L.rollout_median, L.rollout_sigma, L.rollout_cap)
+            sampling = Sampling(temperature=self.temperature, seed=self.rng.randrange(2**31),
+                                ignore_eos=L.mode == "budget")
+            group.append(self._new(prompt, batch, budget, sampling))
+        return group
+
+    def validation(self, prompts: Sequence[PromptData]) -> list[Sample]:
+        """Greedy samples for validation accuracy (never rewarded or trained)."""
+        greedy = Sampling(temperature=0.0)
+        return [self._new(p, -1, self.lengths.rollout_cap, greedy) for p in prompts]
+
+    def _new(self, prompt: PromptData, batch: int, budget: int, sampling: Sampling) -> Sample:
+        s = Sample(self.next_sid, prompt, batch, budget, sampling)
+        s.judge_budget = self.lengths.draw(self.rng, self.lengths.genrm_median,
+                                           self.lengths.genrm_sigma, self.lengths.genrm_cap)
+        self.samples[s.sid] = s
+        self.next_sid += 1
+        return s
+
+    # --- rollout -> reward -> batch ----------------------------------------------------
+    def rolled(self, sid: int, response: Sequence[int], logprobs: Sequence[float],
+               version: int | None, task: Task) -> Sample:
+        s = self.samples[sid]
+        if s.state != "admitted":
+            raise RuntimeError(f"sample {sid} finished rollout twice (state {s.state})")
+        s.response, s.logprobs, s.version, s.state = list(response), list(logprobs), version, "rolled"
+        if s.batch >= 0:
+            s.judge_prompt = task.judge_prompt(s.prompt, s.response)
+        return s
+
+    def rewarded(self, sid: int, judgement: Sequence[int], task: Task) -> Sample:
+        s = self.samples[sid]
+        if s.state != "rolled":
+            raise RuntimeError(f"sample {sid} rewarded in state {s.state}")
+        s.judgement = list(judgement)
+        s.score = task.score(s.prompt, s.response, s.judgement)
+        self.unparsed += not s.score.parsed
+        s.state = "rewarded"
+        return s
+
+    def batch_ready(self, step: int) -> bool:
+        if step >= self.steps or self.batch_of(self.next_prompt - 1) < step or self.next_prompt == 0:
+            return False
+        members = self.batch_samples(step)
+        return len(members) == self.batch_size * self.group_size and all(
+            s.state == "rewarded" for s in members)
+
+    def batch_samples(self, step: int) -> list[Sample]:
+        return sorted((s for s in self.samples.values() if s.batch == step), key=lambda s: s.sid)
+
+    def trained(self, step: int) -> list[Sample]:
+        members = self.batch_samples(step)
+        for s in members:
+            s.state = "trained"
+        return members
+
+    def in_flight(self) -> int:
+        return sum(s.state in ("admitted", "rolled") for s in self.samples.values()
+                   if s.batch >= 0)
+
+
+def lag(sample: Sample) -> int:
+    """Version lag of a trained sample: its step minus its oldest generating version."""
+    return sample.batch - (sample.version if sample.version is not None else 0)

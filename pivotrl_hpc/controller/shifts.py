@@ -1,0 +1,162 @@
+"""The executor's sending half: carry a plan's actions out on the devices and keep the
+replica table, training state and τ_shift in step with the replies."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Callable
+
+from pivotrl_hpc.controller.executor import (Action, ReplicaInfo, migration_actions,
+                                             plan_actions)
+from pivotrl_hpc.controller.flow import ControllerError, RoleFlow
+from pivotrl_hpc.controller.handles import Devices
+from pivotrl_hpc.controller.policy import TauTracker
+from pivotrl_hpc.plan.snapshot import TRAINING
+from pivotrl_hpc.plan.types import ShiftPlan
+from pivotrl_hpc.runtime.messages import (Abort, AddSequences, Reply, RoleKind, ShiftDown,
+                                          ShiftUp)
+from pivotrl_hpc.sched.state import Replica
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainingUnit:
+    devices: tuple[int, ...]
+    up: bool = False
+    active: bool = False       # a TrainStep (or its Write wait) is in flight
+    shifting: bool = False
+
+
+@dataclass
+class ShiftBook:
+    """Replicas that are up, shifts in flight, and the per-kind shift statistics."""
+    replicas: dict[str, ReplicaInfo] = field(default_factory=dict)
+    in_flight: int = 0
+    plans: int = 0
+    count: dict[str, int] = field(default_factory=dict)      # "rollout->reward" etc.
+    by_role: dict[str, list[float]] = field(default_factory=dict)
+    phases: dict[str, dict[str, float]] = field(default_factory=dict)
+
+
+class Executor:
+    def __init__(self, devices: Devices, flows: dict[str, RoleFlow], training: TrainingUnit,
+                 kv_capacity: dict[str, int], tau: TauTracker, trace, now: Callable[[], float],
+                 on_change: Callable[[], None]) -> None:
+        self.devices, self.flows, self.training = devices, flows, training
+        self.kv_capacity, self.tau, self.trace, self.now = kv_capacity, tau, trace, now
+        self.on_change = on_change   # a shift finished: an event for the monitor
+        self.book = ShiftBook()
+        self.device_role: dict[int, str] = {d: "idle" for d in devices.handles}
+        self._last_role: dict[int, str] = dict(self.device_role)
+
+    @property
+    def plans(self) -> int:
+        """Plans executed so far (the last one's id + 1)."""
+        return self.book.plans
+
+    def execute(self, plan: ShiftPlan) -> int:
+        plan_id = self.book.plans
+        self.book.plans += 1
+        actions, _ = plan_actions(plan, self.book.replicas,
+                                  {r: f.sched for r, f in self.flows.items()},
+                                  self.training.devices)
+        for a in actions:
+            self.apply(a, plan_id)
+        return plan_id
+
+    def apply(self, a: Action, plan_id: int | None) -> None:
+        """Send one action (`plan_id` None: a plain Dispatch, not part of a plan)."""
+        if a.kind == "add":
+            event = "dispatch" if plan_id is None else "migrate"
+            reqs = self.flows[a.role].place_ids(a.replica, a.seq_ids, event)
+            self.devices.send(a.devices, AddSequences(tuple(reqs)), self._check)
+        elif a.kind == "abort":
+            self.devices.send(a.devices, Abort(tuple(str(s) for s in a.seq_ids)), self._check)
+        elif a.kind == "shift_down":
+            self._shift_down(a, plan_id)
+        else:
+            self._shift_up(a, plan_id)
+
+    # --- shift down --------------------------------------------------------------------
+    def _shift_down(self, a: Action, plan_id: int) -> None:
+        self.book.in_flight += 1
+        t0 = self.now()
+        if a.role == TRAINING:
+            self.training.shifting = True
+        else:
+            self.book.replicas.pop(a.replica)
+            self.flows[a.role].versions.pop(a.replica, None)
+
+        def done(replies: list[Reply]) -> None:
+            self._check(replies)
+            if a.role == TRAINING:
+                self.training.up = self.training.shifting = False
+            else:
+                back = [int(s.seq_id) for s in (replies[0].result or [])]
+                self.flows[a.role].aborted(back, a.replica)
+            for d in a.devices:
+                self._last_role[d], self.device_role[d] = self.device_role[d], "idle"
+            self._record(plan_id, "down", a, replies, self.now() - t0)
+
+        self.devices.send(a.devices, ShiftDown(), done)
+
+    # --- shift up ----------------------------------------------------------------------
+    def _shift_up(self, a: Action, plan_id: int) -> None:
+        self.book.in_flight += 1
+        t0 = self.now()
+        if a.role == TRAINING:
+            self.training.shifting = True
+        kind = RoleKind(a.role)
+        index = a.devices[0]
+
+        def done(replies: list[Reply]) -> None:
+            self._check(replies)
+            for d in a.devices:
+                frm = self._last_role.get(d, "idle") if self.device_role[d] == "idle" else \
+                    self.device_role[d]
+                key = f"{frm}->{a.role}"
+                self.book.count[key] = self.book.count.get(key, 0) + 1
+                self.device_role[d] = a.role
+            if a.role == TRAINING:
+                self.training.up, self.training.shifting = True, False
+            else:
+                self._replica_up(a, replies[0])
+            self._record(plan_id, "up", a, replies, self.now() - t0)
+
+        self.devices.send(a.devices, ShiftUp(kind, index), done)
+
+    def _replica_up(self, a: Action, leader: Reply) -> None:
+        info = ReplicaInfo(a.role, a.devices)
+        self.book.replicas[a.replica] = info
+        flow = self.flows[a.role]
+        if a.role == "rollout":
+            flow.versions[a.replica] = (leader.result or {}).get("version")
+        result = flow.sched.shift_up_migration([Replica(a.replica, self.kv_capacity[a.role])])
+        for act in migration_actions(a.role, result, self.book.replicas):
+            self.apply(act, -1)
+
+    def _record(self, plan_id: int, direction: str, a: Action, replies: list[Reply],
+                seconds: float) -> None:
+        self.book.in_flight -= 1
+        phases = dict(replies[0].phases)
+        worker_s = phases.get("total", seconds)
+        self.tau.observe(a.role, worker_s)
+        self.book.by_role.setdefault(f"{a.role}.{direction}", []).append(worker_s)
+        agg = self.book.phases.setdefault(f"{a.role}.{direction}", {})
+        for k, v in phases.items():
+            agg[k] = agg.get(k, 0.0) + v
+        self.trace.append("shifts", t=self.now(), plan_id=plan_id, direction=direction,
+                          role=a.role, replica=a.replica,
+                          devices=",".join(map(str, a.devices)), seconds=worker_s,
+                          phases=phases)
+        log.info("shift %s %s %s in %.2f s", direction, a.role, a.replica, worker_s)
+        self.on_change()
+
+    @staticmethod
+    def _check(replies: list[Reply]) -> None:
+        for r in replies:
+            if not r.ok:
+                raise ControllerError(f"{r.command} failed on device {r.device} "
+                                      f"({r.role.value}): {r.error} "
+                                      f"(holding sequences {list(r.seq_ids)})", r.device)

@@ -1,0 +1,383 @@
+"""`pivotrl run` on one machine: checks, run files, mpirun, signal forwarding, diagnosis.
+
+`prepare` does every check that needs no process (config, CPU shares, cgroups, mpirun on
+PATH) and builds the command; `launch` writes the resolved config next to the trace, starts
+
+    mpirun --oversubscribe --allow-run-as-root --bind-to none -n N*(G+1) -x ... \
+        python -m pivotrl_hpc.launch.entry out/<name>.config.json
+
+in its own session (a terminal's Ctrl-C reaches only this process; its stderr goes to
+mpirun.log, a file, so mpirun never dies of SIGPIPE), and waits. A stop signal (SIGINT,
+SIGTERM, SIGHUP) is forwarded as SIGTERM to every rank (their pids are in the run folder), as
+scancel does under Slurm, so the ranks stop in order (entry.py); a second signal, or ranks
+still alive `grace_s` later, kill the job. If this process dies (even by SIGKILL) the ranks
+notice (PIVOTRL_LAUNCHER_PID) and stop as on SIGTERM. mpirun itself aborts the whole job within a
+second or two when a rank dies or calls MPI Abort (ranks then get SIGTERM and
+`odls_base_sigkill_timeout` seconds before SIGKILL). Afterwards the launcher sweeps the job's
+segments from /dev/shm and its cgroups, whatever happened, and names the failing rank (from
+rank-N.error.json, else mpirun's message) with its host, role and error.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pivotrl_hpc.config import to_dict
+from pivotrl_hpc.config.validate import check_cpu_shares
+from pivotrl_hpc.launch import cgroup
+from pivotrl_hpc.config.paradigm import normalize
+from pivotrl_hpc.launch.layout import LaunchError, RankLayout, RunPaths, job_ports
+
+log = logging.getLogger(__name__)
+
+SIGKILL_TIMEOUT_S = 5   # mpirun's SIGTERM -> SIGKILL delay when it aborts a job
+FORWARDED_ENV = ("PIVOTRL_CONTROLLER", "PIVOTRL_LOG_LEVEL", "PIVOTRL_STOP_GRACE_S",
+                 "PIVOTRL_SHUTDOWN_TIMEOUT_S", "PIVOTRL_SHM_DIR", cgroup.ROOT_ENV,
+                 "PYTHONPATH", "VLLM_LOGGING_LEVEL")
+_RANK_LINE = re.compile(r" r(\d+) \S+ (agent|worker)")
+
+
+@dataclass(frozen=True)
+class LocalRun:
+    layout: RankLayout
+    paths: RunPaths
+    job: str
+    env: dict[str, str]          # set for (and exported to) every rank
+    command: list[str]
+    config: dict = field(repr=False)
+    cpu_warning: str | None = None
+
+    def shell_line(self) -> str:
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items()))
+        return f"{env} {shlex.join(self.command)}"
+
+
+def prepare(cfg, *, cpu_cap: bool = True, cores: int | None = None,
+            job: str | None = None) -> LocalRun:
+    """Every check that needs no process; raises ConfigError / LaunchError / CgroupError.
+    The paradigm's implications (colocated: training on every device, staleness 0) are
+    applied here, so the ranks read one resolved config."""
+    cfg = normalize(cfg)
+    warning = check_cpu_shares(cfg, cores or os.cpu_count() or 1)
+    mpirun = shutil.which("mpirun")
+    if mpirun is None:
+        raise LaunchError("mpirun is not on PATH: apt-get install openmpi-bin (or load your "
+                          "site's Open MPI module)")
+    job = job or f"run{uuid.uuid4().hex[:8]}"
+    layout = RankLayout.from_config(cfg, {})
+    env = {"PIVOTRL_RUN_ID": job, "PIVOTRL_NODE_NAMES": ",".join(layout.node_names),
+           "PIVOTRL_PORT_BASE": str(free_port_base(
+               job_ports(layout.nodes * layout.devices_per_node))),
+           "UCX_MODULES": os.environ.get("UCX_MODULES", "^ib,rdmacm"),
+           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    env.update({k: os.environ[k] for k in FORWARDED_ENV if k in os.environ})
+    if not cpu_cap:
+        env[cgroup.OPT_OUT_ENV] = "off"
+    if cgroup.caps_enabled(cfg, env):
+        cgroup.check_writable(job)
+    config = to_dict(cfg)
+    config["trace"]["path"] = str(Path(cfg.trace.path).resolve())
+    paths = RunPaths(Path(config["trace"]["path"]))
+    command = mpirun_command(mpirun, layout, paths.config_json, sorted(env))
+    return LocalRun(layout, paths, job, env, command, config, warning)
+
+
+def mpirun_command(mpirun: str, layout: RankLayout, config_json: Path,
+                   exported: list[str]) -> list[str]:
+    cmd = [mpirun, "--oversubscribe", "--allow-run-as-root", "--bind-to", "none",
+           "--mca", "odls_base_sigkill_timeout", str(SIGKILL_TIMEOUT_S),
+           "-n", str(layout.world_size)]
+    for name in exported:
+        cmd += ["-x", name]
+    return cmd + [sys.executable, "-m", "pivotrl_hpc.launch.entry", str(config_json)]
+
+
+def free_port_base(count: int, tries: int = 50) -> int:
+    """A base port with `count` free ports above it (checked by binding each)."""
+    for _ in range(tries):
+        base = random.randrange(20000, 60000 - count, 100)
+        if all(_port_free(base + i) for i in range(count)):
+            return base
+    raise LaunchError(f"no range of {count} free TCP ports found between 20000 and 60000")
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+# ---- run ---------------------------------------------------------------------------
+def write_files(run: LocalRun) -> None:
+    """The resolved config and an empty run folder (files of an earlier run removed)."""
+    run.paths.logs.mkdir(parents=True, exist_ok=True)
+    for old in [*run.paths.logs.glob("rank-*"), run.paths.logs / "mpirun.log",
+                run.paths.summary_json]:
+        old.unlink(missing_ok=True)
+    run.paths.config_json.write_text(json.dumps(run.config, indent=1) + "\n")
+
+
+def launch(run: LocalRun, *, grace_s: float = 30.0) -> int:
+    """Run the job; return 0, 128+signal when stopped by a signal, 1 when it failed."""
+    write_files(run)
+    log.info("run %s: %d ranks, logs in %s", run.job, run.layout.world_size, run.paths.logs)
+    forwarder = SignalForwarder(run, grace_s)
+    forwarder.install()
+    log_path = run.paths.logs / "mpirun.log"
+    try:
+        # stderr into a file, not a pipe: mpirun must outlive this process (SIGPIPE would
+        # kill it mid-abort and orphan the ranks before they clean up)
+        with open(log_path, "ab") as err:
+            proc = subprocess.Popen(_with_launcher_pid(run.command), stderr=err,
+                                    start_new_session=True,
+                                    env={**os.environ, **run.env,
+                                         "PIVOTRL_LAUNCHER_PID": str(os.getpid())})
+    except BaseException:
+        forwarder.uninstall()
+        raise
+    forwarder.started(proc)
+    stderr = _StderrReader(proc, log_path)
+    try:
+        while proc.poll() is None:
+            time.sleep(0.1)
+            forwarder.tick()
+    finally:
+        forwarder.uninstall()
+        stderr.join()
+        cleanup(run)
+    if forwarder.signum is not None:
+        print(f"pivotrl run: stopped by {signal.Signals(forwarder.signum).name}; trace "
+              f"{run.paths.trace}, logs {run.paths.logs}", file=sys.stderr)
+        return 128 + forwarder.signum
+    if proc.returncode == 0:
+        print(f"summary: {run.paths.summary_json}" if run.paths.summary_json.is_file()
+              else "pivotrl run: done (the controller returned no summary)")
+        return 0
+    print(f"pivotrl run: {diagnose(run, stderr.text(), proc.returncode)}", file=sys.stderr)
+    return 1
+
+
+def _with_launcher_pid(command: list[str]) -> list[str]:
+    """Export this process's pid to the ranks: they stop if `pivotrl run` dies (entry.py)."""
+    i = command.index(sys.executable)
+    return [*command[:i], "-x", "PIVOTRL_LAUNCHER_PID", *command[i:]]
+
+
+class _StderrReader:
+    """Follows mpirun.log (mpirun's stderr) while mpirun runs; echoes rank lines (errors,
+    tagged with the rank) live."""
+
+    def __init__(self, proc: subprocess.Popen, path: Path):
+        self.lines: list[str] = []
+        self._path = path
+        self._thread = threading.Thread(target=self._follow, args=(proc,), daemon=True)
+        self._thread.start()
+
+    def _follow(self, proc: subprocess.Popen) -> None:
+        with open(self._path, errors="replace") as f:
+            while True:
+                running = proc.poll() is None
+                line = f.readline()
+                while line:
+                    self.lines.append(line)
+                    if _RANK_LINE.search(line):
+                        sys.stderr.write(line)
+                    line = f.readline()
+                if not running:
+                    return
+                time.sleep(0.1)
+
+    def join(self) -> None:
+        self._thread.join(10)
+
+    def text(self) -> str:
+        return "".join(self.lines)
+
+
+class SignalForwarder:
+    def __init__(self, run: LocalRun, grace_s: float):
+        self.run, self.grace_s = run, grace_s
+        self.proc: subprocess.Popen | None = None
+        self.signum: int | None = None
+        self.deadline: float | None = None
+        self.first_at = 0.0
+        self._old: dict[int, object] = {}
+
+    def started(self, proc: subprocess.Popen) -> None:
+        self.proc = proc
+        if self.signum is not None:   # a signal came while mpirun was being started
+            self._forward()
+
+    def install(self) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            self._old[sig] = signal.signal(sig, self._on_signal)
+
+    def uninstall(self) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+    def _on_signal(self, signum, _frame) -> None:
+        if self.signum is not None:
+            # a second signal (Ctrl-C again) stops at once; one sent to the whole process
+            # group (`timeout`, a shell) arrives twice within a moment and is not a second
+            if time.monotonic() - self.first_at > 1.0:
+                self.kill("second signal")
+            return
+        self.signum, self.first_at = signum, time.monotonic()
+        self.deadline = self.first_at + self.grace_s
+        if self.proc is not None:
+            self._forward()
+
+    def _forward(self) -> None:
+        pids = rank_pids(self.run)
+        for pid in pids:
+            _signal(pid, signal.SIGTERM)
+        if len(pids) < self.run.layout.world_size:   # some ranks not up yet: mpirun ends them
+            _signal(self.proc.pid, signal.SIGTERM)
+
+    def tick(self) -> None:
+        if self.deadline is not None and time.monotonic() > self.deadline:
+            self.kill(f"ranks still alive {self.grace_s:.0f} s after the stop signal")
+            self.deadline = None
+
+    def kill(self, why: str) -> None:
+        print(f"pivotrl run: killing the job ({why})", file=sys.stderr)
+        for pid in rank_pids(self.run):
+            _signal(pid, signal.SIGKILL)
+        if self.proc is not None:
+            _signal(self.proc.pid, signal.SIGKILL)
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def rank_pids(run: LocalRun) -> list[int]:
+    """Pids of the job's live ranks (pid files checked against /proc, as pids get reused)."""
+    pids = []
+    for rank in range(run.layout.world_size):
+        try:
+            pid = int(run.paths.rank_pid(rank).read_text().split()[0])
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except (FileNotFoundError, ValueError, IndexError):
+            continue
+        if b"pivotrl_hpc.launch.entry" in cmdline:
+            pids.append(pid)
+    return pids
+
+
+def cleanup(run: LocalRun) -> None:
+    """Whatever the ranks left (killed ones): segments in /dev/shm, cgroups."""
+    removed = sweep_segments(run.job)
+    if removed:
+        log.warning("removed %d GPS segment(s) the ranks left: %s", len(removed), removed)
+    cgroup.remove_job(run.job, wait_s=10.0)
+
+
+def sweep_segments(job: str) -> list[str]:
+    """`gps.segment.sweep(job)` without importing torch (seconds on a busy machine): every
+    file of the job in the shm folder (`pivotrl-<job>-<node>-...`)."""
+    shm = Path(os.environ.get("PIVOTRL_SHM_DIR", "/dev/shm"))
+    removed = []
+    for p in shm.glob(f"pivotrl-{job}-*"):
+        p.unlink(missing_ok=True)
+        removed.append(p.name)
+    return removed
+
+
+# ---- diagnosis ---------------------------------------------------------------------------
+_DIED = re.compile(r"process rank (\d+) with PID \d+ on node (\S+) exited on signal (\d+)"
+                   r"(?: \(([^)]*)\))?")
+_ABORT = re.compile(r"MPI_ABORT was invoked on rank (\d+)")
+_EXIT = re.compile(r"Process name: \[\[\d+,\d+\],(\d+)\]\s*\n\s*Exit code:\s*(\d+)")
+
+
+def diagnose(run: LocalRun, mpirun_stderr: str, rc: int) -> str:
+    """One line naming the rank that failed first, its host, role and error."""
+    errors = sorted(run.paths.logs.glob("rank-*.error.json"), key=lambda p: p.stat().st_mtime)
+    if errors:
+        e = json.loads(errors[0].read_text())
+        return _rank_line(run, e["rank"], e["host"], e["error"])
+    m = _DIED.search(mpirun_stderr)
+    if m:
+        name = m.group(4) or signal.Signals(int(m.group(3))).name
+        return _rank_line(run, int(m.group(1)), m.group(2),
+                          f"killed by signal {m.group(3)} ({name})")
+    for pattern, what in ((_ABORT, "called MPI Abort"), (_EXIT, "exited with code {}")):
+        m = pattern.search(mpirun_stderr)
+        if m:
+            return _rank_line(run, int(m.group(1)), None, what.format(*m.groups()[1:]))
+    tail = " | ".join(line.strip() for line in mpirun_stderr.strip().splitlines()[-3:])
+    return f"mpirun exited with code {rc}: {tail or 'no message'} (see {run.paths.logs})"
+
+
+def _rank_line(run: LocalRun, rank: int, host: str | None, error: str) -> str:
+    info = run.layout.info(rank)
+    log_path = run.paths.rank_log(rank)
+    role, last = _from_log(log_path)
+    host = host or _pid_host(run, rank)
+    where = f"{info.describe()}, host {host or '?'}" + (f", role {role}" if role else "")
+    detail = f" (last log line: {last})" if last and last not in error else ""
+    return f"{where} failed: {error}{detail}; log {log_path}"
+
+
+def _from_log(path: Path) -> tuple[str | None, str | None]:
+    """The rank's last role and its last error line, from its log."""
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except FileNotFoundError:
+        return None, None
+    role = next((m.group(1) for line in reversed(lines)
+                 for m in [re.search(r" role (\w+) \(replica", line)] if m), None)
+    last = next((line.split(": ", 1)[-1] for line in reversed(lines)
+                 if " ERROR " in line or " CRITICAL " in line), None)
+    return role, last
+
+
+def _pid_host(run: LocalRun, rank: int) -> str | None:
+    try:
+        return run.paths.rank_pid(rank).read_text().split()[1]
+    except (FileNotFoundError, IndexError):
+        return None
+
+
+# ---- --np-check -------------------------------------------------------------------------------
+_PROBE = ("import os, json, socket; from mpi4py import MPI; c = MPI.COMM_WORLD; "
+          "print(json.dumps([c.Get_rank(), c.Get_size(), socket.gethostname()]), flush=True)")
+
+
+def np_check(run: LocalRun, timeout: float = 120.0) -> tuple[bool, str]:
+    """Start the world once with a probe (no job) and check every rank answers."""
+    cmd = run.command[:run.command.index(sys.executable)] + [sys.executable, "-c", _PROBE]
+    try:
+        p = subprocess.run(cmd, env={**os.environ, **run.env}, capture_output=True, text=True,
+                           timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return False, f"the {run.layout.world_size}-rank probe did not finish in {timeout:.0f} s"
+    seen = [json.loads(m) for m in re.findall(r'\[\d+, \d+, "[^"]*"\]', p.stdout)]
+    ranks = sorted(r for r, _, _ in seen)
+    if p.returncode != 0 or ranks != list(range(run.layout.world_size)):
+        return False, (f"mpirun -n {run.layout.world_size} answered ranks {ranks} (exit "
+                       f"{p.returncode}): {p.stderr.strip()[-300:]}")
+    hosts = sorted({h for _, _, h in seen})
+    return True, f"{len(ranks)} ranks answered on {', '.join(hosts)}"

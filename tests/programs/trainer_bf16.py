@@ -1,0 +1,93 @@
+"""A bf16 training worker: bf16 params, fp32 main params in Megatron's mixed-precision
+optimizer, through published steps and a shift down / shift up.
+
+usage: trainer_bf16.py POLICY_DIR OUT.json
+Writes a JSON report: dtypes, the bytes each shift moved, and whether the fp32 master
+weights survived the re-shift-up bit for bit (a refresh from the bf16 params rounds them).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+from megatron_scenarios import fixed_batch
+from rendezvous import init_world_of_one
+
+from pivotrl_hpc.engines.megatron.batch import RolloutBatch
+from pivotrl_hpc.engines.megatron.model import ModelBuildConfig
+from pivotrl_hpc.engines.megatron.trainer import OptimConfig, TrainerConfig
+from pivotrl_hpc.runtime.local import local_worker
+from pivotrl_hpc.runtime.messages import RoleKind, ShiftDown, ShiftUp, TrainStep, WaitWrite
+from pivotrl_hpc.runtime.worker import WorkerSpec
+
+
+def ok(reply):
+    if not reply.ok:
+        raise RuntimeError(f"{reply.command} failed: {reply.error}")
+    return reply
+
+
+def groups(trainer) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(bf16 model params, their fp32 main params), in the optimizer's order."""
+    params, mains = [], []
+    for opt in getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer]):
+        for pg, mg in zip(opt.float16_groups, opt.fp32_from_float16_groups):
+            params += [p.detach().clone() for p in pg]
+            mains += [m.detach().clone() for m in mg]
+    return params, mains
+
+
+def equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) > 0 and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def on_policy(trainer) -> RolloutBatch:
+    base = fixed_batch()
+    lp = trainer.compute_logprobs(base)
+    return RolloutBatch(base.tokens, base.response_mask,
+                        torch.where(base.response_mask, lp, torch.zeros_like(lp)),
+                        base.rewards, base.group_ids)
+
+
+def scenario(w) -> dict:
+    ok(w.handle(ShiftUp(RoleKind.TRAINING)))
+    tr = w.trainer
+    params, mains = groups(tr)
+    r = {"param_dtypes": sorted({str(p.dtype) for p in params}),
+         "main_dtypes": sorted({str(m.dtype) for m in mains}),
+         # first load: the master weights are set from the loaded params
+         "main_from_first_load": equal([p.float() for p in params], mains)}
+    batch = on_policy(tr)
+    r["steps"] = [ok(w.handle(TrainStep(batch))).result for _ in range(2)]
+    r["version"] = ok(w.handle(WaitWrite())).result
+    params, mains = groups(tr)
+    r["params_are_rounded_main"] = equal([m.bfloat16() for m in mains], params)
+    r["main_finer_than_bf16"] = any(not torch.equal(m, m.bfloat16().float()) for m in mains)
+    ok(w.handle(ShiftDown()))
+    r["freed"], r["host"] = tr.last_offload_bytes, tr.last_offload_host_bytes
+    r["param_bytes"] = sum(p.numel() * p.element_size() for p in params)
+    up = ok(w.handle(ShiftUp(RoleKind.TRAINING)))
+    r["up_result"], r["up_phases"] = up.result, sorted(up.phases)
+    params_up, mains_up = groups(tr)
+    r["params_bitwise_after_up"] = equal(params, params_up)
+    r["main_bitwise_after_up"] = equal(mains, mains_up)
+    r["step_after_up"] = ok(w.handle(TrainStep(batch, publish=False))).result
+    return r
+
+
+def main(policy: str, out: str) -> None:
+    store = init_world_of_one()  # noqa: F841 - keeps the rendezvous port bound
+    cfg = TrainerConfig(model=ModelBuildConfig(dtype="bfloat16"),
+                        optim=OptimConfig(lr=1e-4, clip_grad=0), micro_batch_size=4)
+    with local_worker(WorkerSpec(model_dirs={"policy": policy}, trainer_config=cfg),
+                      job=f"bf16{os.getpid()}") as w:
+        report = scenario(w)
+    with open(out, "w") as f:
+        json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,369 @@
+"""`pivotrl run`: rank layout, checks before any process, mpirun start-up and stop, signals,
+a killed worker, CPU caps. The job tests use a test controller (tests/programs/launch_ctl.py,
+PIVOTRL_CONTROLLER) on 2 nodes x 2 devices."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pivotrl_hpc.config import ConfigError, load_config
+from pivotrl_hpc.config.validate import check_cpu_shares
+from pivotrl_hpc.launch import cgroup
+from pivotrl_hpc.launch.layout import (AGENT, WORKER, LaunchError, RankLayout, check_placement,
+                                       expand_hostlist, node_names)
+
+ROOT = Path(__file__).resolve().parents[1]
+PROGRAMS = ROOT / "tests" / "programs"
+PYTHON = ROOT / ".venv" / "bin" / "python"
+
+
+# ---- layout -----------------------------------------------------------------------------------
+def test_layout_two_nodes_by_four_devices():
+    lay = RankLayout(2, 4, ("n0", "n1"))
+    assert lay.world_size == 10 and lay.ranks_per_node == 5
+    table = [(i.rank, i.node_name, i.local_rank, i.kind, i.device, i.controller)
+             for i in lay.table()]
+    assert table == [
+        (0, "n0", 0, AGENT, None, True), (1, "n0", 1, WORKER, 0, False),
+        (2, "n0", 2, WORKER, 1, False), (3, "n0", 3, WORKER, 2, False),
+        (4, "n0", 4, WORKER, 3, False),
+        (5, "n1", 0, AGENT, None, False), (6, "n1", 1, WORKER, 4, False),
+        (7, "n1", 2, WORKER, 5, False), (8, "n1", 3, WORKER, 6, False),
+        (9, "n1", 4, WORKER, 7, False)]
+    assert lay.agent_ranks == (0, 5)
+    assert lay.worker_ranks == (1, 2, 3, 4, 6, 7, 8, 9)
+    assert [lay.worker_rank(d) for d in lay.devices] == [1, 2, 3, 4, 6, 7, 8, 9]
+    assert all(lay.device(lay.worker_rank(d)) == d for d in lay.devices)
+    assert lay.node_devices(1) == (4, 5, 6, 7)
+    with pytest.raises(ValueError):
+        lay.info(10)
+
+
+def test_layout_names_from_slurm_and_placement():
+    assert expand_hostlist("n[1-2]") == ["n1", "n2"]
+    assert expand_hostlist("gpu[08-10,12],login1") == ["gpu08", "gpu09", "gpu10", "gpu12",
+                                                       "login1"]
+    assert node_names(2, {}) == ("n0", "n1")
+    assert node_names(2, {"SLURM_JOB_NODELIST": "n[1-2]"}) == ("n1", "n2")
+    assert node_names(2, {"PIVOTRL_NODE_NAMES": "a,b", "SLURM_JOB_NODELIST": "n1"}) == ("a", "b")
+    with pytest.raises(LaunchError, match="cluster.nodes=2"):
+        node_names(2, {"SLURM_JOB_NODELIST": "n1"})
+    lay = RankLayout(2, 2, ("n1", "n2"))
+    check_placement(lay, 4, {"SLURM_NODEID": "1"})
+    with pytest.raises(LaunchError, match="--ntasks-per-node=3"):
+        check_placement(lay, 2, {"SLURM_NODEID": "1"})
+
+
+# ---- CPU shares and cgroups -------------------------------------------------------------------
+def _cfg(tiny_models: Path, tmp_path: Path, **cluster) -> Path:
+    m = tiny_models
+    data = {
+        "cluster": {"nodes": 2, "devices_per_node": 2, "device_kind": "cpu", "cpu_share": 0.2,
+                    **cluster},
+        "models": {"policy": {"path": str(m / "policy"), "max_prompt_len": 32,
+                              "max_response_len": 32},
+                   "genrm": {"path": str(m / "genrm"), "max_prompt_len": 80,
+                             "max_response_len": 16}},
+        "roles": {"train_devices": 4, "train_tensor_parallel": 2},
+        "data": {"train": str(m / "data" / "train.jsonl"),
+                 "validation": str(m / "data" / "validation.jsonl")},
+        "trace": {"path": str(tmp_path / "out" / "job.h5")},
+    }
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_cpu_share_refusal_and_override_warning(tiny_models, tmp_path, caplog):
+    path = _cfg(tiny_models, tmp_path)
+    cfg = load_config(path, ["cluster.devices_per_node=4", "cluster.cpu_share=0.25"])
+    with pytest.raises(ConfigError) as e:
+        check_cpu_shares(cfg, cores=2)
+    msg = str(e.value)
+    assert "cluster.cpu_share" in msg and "= 2 cores" in msg and "(1.6)" in msg
+    assert "<= 0.2" in msg and "allow_oversubscribe" in msg
+    assert check_cpu_shares(load_config(path, ["cluster.devices_per_node=4"]), cores=2) is None
+    cfg.cluster.allow_oversubscribe = True
+    with caplog.at_level(logging.WARNING):
+        warning = check_cpu_shares(cfg, cores=2)
+    assert "cluster.cpu_share" in warning and warning in caplog.text
+    cfg.cluster.device_kind = "gpu"
+    cfg.cluster.allow_oversubscribe = False
+    assert check_cpu_shares(cfg, cores=2) is None     # GPUs: nothing to cap
+
+
+def test_cgroup_files_v1_and_v2(tmp_path):
+    mounts = ("cgroup2 /sys/fs/cgroup/unified cgroup2 rw 0 0\n"
+              "cgroup /sys/fs/cgroup/cpu,cpuacct cgroup rw,cpu,cpuacct 0 0\n")
+    assert cgroup.find_root(mounts) == cgroup.CpuRoot(1, Path("/sys/fs/cgroup/cpu,cpuacct"))
+    assert cgroup.find_root("cgroup2 /sys/fs/cgroup cgroup2 rw 0 0\n").version == 2
+    for version in (1, 2):
+        base = tmp_path / f"v{version}"
+        base.mkdir()
+        (base / "cgroup.subtree_control").write_text("")
+        root = cgroup.CpuRoot(version, base)
+        if version == 2:   # the job's own group gets its control file from the kernel
+            (base / "pivotrl-j").mkdir()
+            (base / "pivotrl-j" / "cgroup.subtree_control").write_text("")
+        cap = cgroup.cap_process(1234, "j", "n0-d1", 0.2, root)
+        assert cap.group == base / "pivotrl-j" / "n0-d1" and cap.cores == 0.2
+        assert (cap.group / "cgroup.procs").read_text() == "1234"
+        if version == 1:
+            assert (cap.group / "cpu.cfs_quota_us").read_text() == "20000"
+            assert (cap.group / "cpu.cfs_period_us").read_text() == "100000"
+        else:
+            assert (cap.group / "cpu.max").read_text() == "20000 100000"
+            assert (base / "cgroup.subtree_control").read_text() == "+cpu"
+            assert (base / "pivotrl-j" / "cgroup.subtree_control").read_text() == "+cpu"
+
+
+# ---- the CLI: checks before any process -------------------------------------------------------
+def _env(tmp_path: Path, controller: str = "query_all", **extra) -> dict[str, str]:
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir(exist_ok=True)
+    marker = tmp_path / "mpirun-started"
+    fake = fake_bin / "fake-mpirun"
+    fake.write_text(f"#!/bin/sh\ntouch {marker}\nexit 1\n")
+    fake.chmod(0o755)
+    env = {**os.environ, "PYTHONPATH": str(PROGRAMS), "UCX_MODULES": "^ib,rdmacm",
+           "PIVOTRL_CONTROLLER": f"launch_ctl:{controller}", **extra}
+    return env
+
+
+def _pivotrl(*args: str, env: dict, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([str(PYTHON), "-m", "pivotrl_hpc.cli.main", "run", *args], env=env,
+                          capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def _with_fake_mpirun(env: dict, tmp_path: Path) -> dict:
+    """mpirun on PATH is a script that leaves a marker: a check that fails must not reach it."""
+    (tmp_path / "bin" / "mpirun").unlink(missing_ok=True)
+    (tmp_path / "bin" / "mpirun").symlink_to(tmp_path / "bin" / "fake-mpirun")
+    return {**env, "PATH": f"{tmp_path / 'bin'}{os.pathsep}{env['PATH']}"}
+
+
+BAD_INPUTS = [
+    (["rl.stepz=3"], "rl.stepz", "did you mean 'steps'"),
+    (["paradigm.name=pivot"], "paradigm.name", "'pivot' is not one of"),
+    (["rl.steps"], "rl.steps", "section.key=value"),
+    (["models.policy.path=/nonexistent/policy"], "models.policy.path", "no config.json"),
+    (["data.train=/nonexistent/train.jsonl"], "data.train", "does not exist"),
+    (["models.genrm.max_response_len=4000"], "models.genrm.max_response_len",
+     "exceeds the model's context"),
+    (["cluster.cpu_share=0.5"], "cluster.cpu_share", "more than 80 %"),
+]
+
+
+@pytest.mark.parametrize("overrides,key,text", BAD_INPUTS, ids=[b[1] for b in BAD_INPUTS])
+def test_bad_input_one_line_exit_2_nothing_started(tiny_models, tmp_path, overrides, key, text):
+    env = _with_fake_mpirun(_env(tmp_path), tmp_path)
+    p = _pivotrl(str(_cfg(tiny_models, tmp_path)), *overrides, env=env)
+    assert p.returncode == 2, p.stdout + p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and key in lines[0] and text in lines[0], p.stderr
+    assert not (tmp_path / "mpirun-started").exists()
+    assert not (tmp_path / "out").exists()           # no run folder, no resolved config
+
+
+def test_cgroup_not_writable_names_path_and_opt_out(tiny_models, tmp_path):
+    env = _with_fake_mpirun(_env(tmp_path, PIVOTRL_CGROUP_ROOT="/proc/no-cgroup"), tmp_path)
+    cfg = str(_cfg(tiny_models, tmp_path))
+    p = _pivotrl(cfg, env=env)
+    assert p.returncode == 2
+    assert "/proc/no-cgroup/pivotrl-" in p.stderr and "--no-cpu-cap" in p.stderr, p.stderr
+    assert not (tmp_path / "mpirun-started").exists() and not (tmp_path / "out").exists()
+    p = _pivotrl(cfg, "--no-cpu-cap", "--dry-run", env=env)
+    assert p.returncode == 0 and "PIVOTRL_CPU_CAP=off" in p.stdout, p.stderr
+
+
+def test_dry_run_prints_command_and_layout(tiny_models, tmp_path):
+    env = _with_fake_mpirun(_env(tmp_path), tmp_path)
+    p = _pivotrl(str(_cfg(tiny_models, tmp_path)), "cluster.nodes=2", "--dry-run", env=env)
+    assert p.returncode == 0, p.stderr
+    assert re.search(r"mpirun --oversubscribe --allow-run-as-root .*-n 6 .*"
+                     r"-m pivotrl_hpc\.launch\.entry \S+/out/job\.config\.json", p.stdout)
+    assert "UCX_MODULES=" in p.stdout and "OMP_NUM_THREADS=1" in p.stdout
+    assert "rank 3 (GPS agent, node n1)" in p.stdout and "rank 5 (worker of device 3" in p.stdout
+    assert not (tmp_path / "mpirun-started").exists() and not (tmp_path / "out").exists()
+
+
+# ---- real jobs (mpirun) -----------------------------------------------------------------------
+class Job:
+    """`pivotrl run` in the background; stdout collected line by line."""
+
+    def __init__(self, cfg: Path, env: dict, *args: str):
+        self.t0 = time.monotonic()
+        self.proc = subprocess.Popen([str(PYTHON), "-m", "pivotrl_hpc.cli.main", "run",
+                                      str(cfg), *args], env=env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True, cwd=ROOT)
+        self.out: list[str] = []
+        self.err: list[str] = []
+        for stream, into in ((self.proc.stdout, self.out), (self.proc.stderr, self.err)):
+            threading.Thread(target=lambda s=stream, i=into: i.extend(s), daemon=True).start()
+
+    def wait_for(self, text: str, timeout: float = 240) -> float:
+        deadline = time.monotonic() + timeout
+        while not any(text in line for line in self.out):
+            assert self.proc.poll() is None, "".join(self.out + self.err)
+            assert time.monotonic() < deadline, f"no {text!r} after {timeout} s"
+            time.sleep(0.1)
+        return time.monotonic() - self.t0
+
+    def finish(self, timeout: float = 240) -> int:
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+            time.sleep(0.2)   # the reader threads drain
+
+    @property
+    def stderr(self) -> str:
+        return "".join(self.err)
+
+    @property
+    def job(self) -> str:
+        return re.search(r"run (run[0-9a-f]{8}):", self.stderr).group(1)
+
+
+def _leftovers(job: str) -> list[str]:
+    shm = [p.name for p in Path("/dev/shm").glob(f"pivotrl-{job}-*")]
+    groups = [str(p) for p in Path("/sys/fs/cgroup/cpu").glob(f"pivotrl-{job}*")]
+    return shm + groups
+
+
+def test_start_query_shutdown_caps_applied(tiny_models, tmp_path):
+    job = Job(_cfg(tiny_models, tmp_path), _env(tmp_path, "query_all"))
+    rc = job.finish()
+    seconds = time.monotonic() - job.t0
+    assert rc == 0, job.stderr
+    summary_json = tmp_path / "out" / "job.summary.json"
+    assert job.out[-1] == f"summary: {summary_json}\n"
+    summary = json.loads(summary_json.read_text())
+    assert summary["world"] == 6
+    assert summary["states"] == {str(d): [True, "idle"] for d in range(4)}
+    assert summary["shutdown"] == {str(d): True for d in range(4)}
+    assert summary["caps"] == {str(d): 0.2 for d in range(4)}      # each worker's own quota
+    assert _leftovers(job.job) == []
+    logs = tmp_path / "out" / "job.logs"
+    assert sorted(p.name for p in logs.glob("rank-*.log")) == [f"rank-{r}.log" for r in range(6)]
+    assert "worker of device 3 serving" in (logs / "rank-5.log").read_text()
+    print(f"start + query + stop of a 2 x 2 job: {seconds:.1f} s")
+
+
+def test_sigterm_mid_run_stops_in_order(tiny_models, tmp_path):
+    # the shutdown timeout bounds the end of a job, not the job: ranks wait longer than it
+    env = _env(tmp_path, "until_stopped", PIVOTRL_SHUTDOWN_TIMEOUT_S="2")
+    job = Job(_cfg(tiny_models, tmp_path), env)
+    job.wait_for("controller running")
+    time.sleep(4)
+    t = time.monotonic()
+    job.proc.send_signal(signal.SIGTERM)
+    rc = job.finish(timeout=60)
+    assert rc == 128 + signal.SIGTERM, job.stderr
+    assert "stopped by SIGTERM" in job.stderr
+    assert (tmp_path / "out" / "job.h5").read_text().startswith("closed after")
+    assert _leftovers(job.job) == []
+    logs = tmp_path / "out" / "job.logs"
+    for r in range(6):   # every rank stopped in order, none was killed
+        assert "stopped in order after SIGTERM" in (logs / f"rank-{r}.log").read_text(), r
+    assert "removed" not in job.stderr   # the launcher found nothing left to sweep
+    print(f"SIGTERM to exit: {time.monotonic() - t:.1f} s")
+
+
+def test_launcher_killed_job_stops_by_itself(tiny_models, tmp_path):
+    job = Job(_cfg(tiny_models, tmp_path), _env(tmp_path, "until_stopped"))
+    job.wait_for("controller running")
+    name = job.job
+    job.proc.kill()
+    config = str(tmp_path / "out" / "job.config.json").encode()
+    deadline = time.monotonic() + 30
+    while any(config in p.read_bytes() for p in Path("/proc").glob("[0-9]*/cmdline")
+              if p.exists()):
+        assert time.monotonic() < deadline, "ranks still running 30 s after the launcher died"
+        time.sleep(0.5)
+    assert _leftovers(name) == []
+    assert (tmp_path / "out" / "job.h5").read_text().startswith("closed after")
+
+
+def test_sigkill_of_a_worker_ends_job_naming_rank(tiny_models, tmp_path):
+    job = Job(_cfg(tiny_models, tmp_path), _env(tmp_path, "until_stopped"))
+    job.wait_for("controller running")
+    logs = tmp_path / "out" / "job.logs"
+    os.kill(int((logs / "rank-4.pid").read_text().split()[0]), signal.SIGKILL)
+    t = time.monotonic()
+    rc = job.finish(timeout=30)
+    seconds = time.monotonic() - t
+    assert rc == 1 and seconds < 30
+    line = job.stderr.strip().splitlines()[-1]
+    assert line.startswith("pivotrl run: rank 4 (worker of device 2, node n1), host ")
+    assert "role idle" in line and "signal 9" in line and "rank-4.log" in line
+    assert _leftovers(job.job) == []
+    print(f"SIGKILL to exit: {seconds:.1f} s")
+
+
+def test_stray_sigterm_to_a_blocked_worker_ends_the_job_after_grace(tiny_models, tmp_path):
+    """A worker waiting in MPI recv cannot run a Python signal handler; its watchdog still
+    ends it after the grace period, and the job stops naming it, instead of hanging."""
+    env = _env(tmp_path, "idle", PIVOTRL_STOP_GRACE_S="2")
+    job = Job(_cfg(tiny_models, tmp_path), env)
+    job.wait_for("controller running")
+    logs = tmp_path / "out" / "job.logs"
+    os.kill(int((logs / "rank-4.pid").read_text().split()[0]), signal.SIGTERM)
+    t = time.monotonic()
+    rc = job.finish(timeout=30)
+    assert rc == 1 and time.monotonic() - t < 30
+    line = job.stderr.strip().splitlines()[-1]
+    assert line.startswith("pivotrl run: rank 4 (worker of device 2, node n1), host "), line
+    assert "not done 2 s after SIGTERM" in line
+    assert _leftovers(job.job) == []
+
+
+def test_diagnose_names_rank_from_mpirun_messages(tmp_path):
+    from pivotrl_hpc.launch.layout import RunPaths
+    from pivotrl_hpc.launch.local import LocalRun, diagnose
+
+    paths = RunPaths(tmp_path / "t.h5")
+    paths.logs.mkdir()
+    run = LocalRun(RankLayout(2, 2, ("n0", "n1")), paths, "j", {}, [], {})
+    paths.rank_log(2).write_text("x r2 n0 worker d1 vm INFO pivotrl_hpc.launch: role reward "
+                                 "(replica 1)\nx r2 n0 worker d1 vm ERROR m: out of memory\n")
+    died = "mpirun noticed that process rank 2 with PID 0 on node vm exited on signal 9 (Killed)."
+    assert diagnose(run, died, 137) == (
+        "rank 2 (worker of device 1, node n0), host vm, role reward failed: killed by signal 9 "
+        f"(Killed) (last log line: out of memory); log {paths.rank_log(2)}")
+    abort = "MPI_ABORT was invoked on rank 4 in communicator MPI_COMM_WORLD\nwith errorcode 1."
+    assert diagnose(run, abort, 1).startswith("rank 4 (worker of device 2, node n1), host ? "
+                                              "failed: called MPI Abort")
+    exited = "  Process name: [[9932,1],3]\n  Exit code:    2\n"
+    assert "rank 3 (GPS agent, node n1)" in diagnose(run, exited, 2)
+    assert "exited with code 2" in diagnose(run, exited, 2)
+    paths.rank_error(0).write_text(json.dumps({"rank": 0, "host": "h0",
+                                               "error": "RuntimeError: boom"}))
+    assert diagnose(run, died, 1).startswith("rank 0 (GPS agent + controller, node n0), host "
+                                             "h0 failed: RuntimeError: boom")
+
+
+def test_controller_failure_names_rank_0(tiny_models, tmp_path):
+    job = Job(_cfg(tiny_models, tmp_path), _env(tmp_path, "fails"))
+    rc = job.finish()
+    assert rc == 1
+    line = job.stderr.strip().splitlines()[-1]
+    assert line.startswith("pivotrl run: rank 0 (GPS agent + controller, node n0), host ")
+    assert "RuntimeError: test controller failure" in line
+    assert _leftovers(job.job) == []
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))
