@@ -19,6 +19,7 @@ from pivotrl_hpc.config.load import to_dict
 from pivotrl_hpc.config.schema import Config
 from pivotrl_hpc.controller.clock import MonotonicClock
 from pivotrl_hpc.controller.decide import ThreadDecider
+from pivotrl_hpc.controller.flow import ControllerError
 from pivotrl_hpc.controller.handles import Devices
 from pivotrl_hpc.controller.loop import Controller, LoopConfig
 from pivotrl_hpc.controller.monitor import RoleModel
@@ -112,7 +113,14 @@ def run_job(cfg: Config, comm, layout, trace_path: str | Path) -> dict[str, Any]
     """Run the RL job from rank 0 against the worker ranks of `layout` (launch.layout
     RankLayout); returns the summary (the launcher writes it next to the trace)."""
     device_ranks = {d: layout.worker_rank(d) for d in layout.devices}
-    return run_on(cfg, comm, device_ranks, trace_path)
+    try:
+        return run_on(cfg, comm, device_ranks, trace_path)
+    except ControllerError as e:
+        if e.device is None or e.device not in device_ranks:
+            raise
+        rank = device_ranks[e.device]
+        where = layout.info(rank).describe()
+        raise ControllerError(f"{where}: {e}", e.device) from e
 
 
 def run_on(cfg: Config, comm, device_ranks: Mapping[int, int], trace_path: str | Path
