@@ -14,7 +14,7 @@ from typing import Mapping
 
 from pivotrl_hpc.plan.snapshot import GEN_ROLES, TRAINING, TRAINING_ID
 from pivotrl_hpc.plan.types import ShiftPlan
-from pivotrl_hpc.sched.scheduler import MigrationResult, Scheduler
+from pivotrl_hpc.sched.scheduler import MigrationResult, Move, Scheduler
 
 MIGRATE, SHIFT_DOWN, SHIFT_UP = 0, 1, 2
 
@@ -85,7 +85,7 @@ def plan_actions(plan: ShiftPlan, replicas: Mapping[str, ReplicaInfo],
             continue
         res = schedulers[role].shift_down_migration(down)
         results[role] = res
-        actions += _adds(role, res, replicas)
+        actions += add_actions(role, res.moves, replicas)
     for rid in plan.shift_down:
         if rid == TRAINING_ID:
             actions.append(Action(SHIFT_DOWN, "shift_down", TRAINING, TRAINING_ID,
@@ -108,13 +108,14 @@ def migration_actions(role: str, result: MigrationResult,
             aborts.setdefault(m.src, []).append(m.seq_id)
     out = [Action(MIGRATE, "abort", role, src, replicas[src].devices, tuple(ids))
            for src, ids in aborts.items() if src in replicas]
-    return out + _adds(role, result, replicas)
+    return out + add_actions(role, result.moves, replicas)
 
 
-def _adds(role: str, result: MigrationResult, replicas: Mapping[str, ReplicaInfo]
-          ) -> list[Action]:
+def add_actions(role: str, moves: list[Move], replicas: Mapping[str, ReplicaInfo]
+                ) -> list[Action]:
+    """Dispatch or migration moves -> one "add" per destination replica."""
     by_dst: dict[str, list[int]] = {}
-    for m in result.moves:
+    for m in moves:
         by_dst.setdefault(m.dst, []).append(m.seq_id)
     return [Action(MIGRATE, "add", role, dst, replicas[dst].devices, tuple(ids))
             for dst, ids in by_dst.items()]

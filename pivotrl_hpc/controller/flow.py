@@ -27,6 +27,16 @@ class ControllerError(RuntimeError):
         self.device = device
 
 
+def check_replies(replies) -> None:
+    """A failed reply stops the run, naming the device, its role, the error and the
+    sequences it held."""
+    for r in replies:
+        if not r.ok:
+            raise ControllerError(f"{r.command} failed on device {r.device} "
+                                  f"({r.role.value}): {r.error} "
+                                  f"(holding sequences {list(r.seq_ids)})", r.device)
+
+
 @dataclass
 class SeqRecord:
     sid: int

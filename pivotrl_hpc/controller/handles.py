@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Sequence, runtime_checkable
+from typing import Callable, Protocol, Sequence, runtime_checkable
 
 from pivotrl_hpc.runtime.messages import Command, Reply
 
@@ -36,7 +36,6 @@ OnDone = Callable[[list[Reply]], None]
 @dataclass
 class _Group:
     """One logical command sent to several devices; done when all have answered."""
-    cmd: Command
     devices: tuple[int, ...]
     on_done: OnDone | None
     replies: dict[int, Reply] = field(default_factory=dict)
@@ -55,20 +54,16 @@ class Devices:
         self._queues: dict[int, deque[tuple[_Group, Command]]] = {d: deque() for d in self.handles}
         self._inflight: dict[int, _Group | None] = {d: None for d in self.handles}
 
-    def send(self, devices: Sequence[int], cmd: Command | Callable[[int], Command],
-             on_done: OnDone | None = None) -> None:
-        """Queue `cmd` (or `cmd(device)` per device) on each device; `on_done(replies)` is
-        called once all have replied, leader's reply first."""
-        group = _Group(cmd, tuple(devices), on_done)
+    def send(self, devices: Sequence[int], cmd: Command, on_done: OnDone | None = None) -> None:
+        """Queue `cmd` on each device; `on_done(replies)` is called once all have replied,
+        leader's reply first."""
+        group = _Group(tuple(devices), on_done)
         for d in group.devices:
-            self._queues[d].append((group, cmd(d) if callable(cmd) else cmd))
+            self._queues[d].append((group, cmd))
             self._pump(d)
 
     def busy(self, device: int) -> bool:
         return self._inflight[device] is not None or bool(self._queues[device])
-
-    def pending(self, device: int) -> int:
-        return len(self._queues[device]) + (self._inflight[device] is not None)
 
     def _pump(self, d: int) -> None:
         if self._inflight[d] is None and self._queues[d]:
@@ -106,10 +101,3 @@ class Devices:
     def next_reply_time(self) -> float | None:
         times = [t for h in self.handles.values() if (t := h.next_reply_time()) is not None]
         return min(times) if times else None
-
-    def idle(self) -> bool:
-        return not any(self.busy(d) for d in self.handles)
-
-
-def leader_result(replies: list[Reply]) -> Any:
-    return replies[0].result

@@ -6,7 +6,6 @@ the trace; the trace is closed (readable) on every exit path.
 """
 from __future__ import annotations
 
-import json
 import logging
 import resource
 import socket
@@ -29,6 +28,7 @@ from pivotrl_hpc.controller.report import format_summary
 from pivotrl_hpc.controller.rl import Lengths, RLBook
 from pivotrl_hpc.controller.task import ArithmeticTask
 from pivotrl_hpc.plan.types import ReplicaSpec, ShiftPlan
+from pivotrl_hpc.gps.shapes import ModelShape
 from pivotrl_hpc.sched.model import ThroughputModel
 
 log = logging.getLogger(__name__)
@@ -38,10 +38,8 @@ FIXED = ("colocated", "disaggregated", "rr_colocated")  # they place their own r
 
 def kv_tokens(model_dir: str, kv_cache_mb: int, dtype: str) -> int:
     """Tokens a KV cache of `kv_cache_mb` holds for this model (K and V, every layer)."""
-    c = json.loads((Path(model_dir) / "config.json").read_text())
-    head = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
-    per_token = 2 * c["num_hidden_layers"] * c.get("num_key_value_heads",
-                                                   c["num_attention_heads"]) * head
+    shape = ModelShape.from_hf_config(model_dir)
+    per_token = 2 * shape.num_layers * shape.kv_size
     return kv_cache_mb * 2**20 // (per_token * (2 if dtype != "float32" else 4))
 
 

@@ -21,8 +21,9 @@ from typing import Any, Sequence
 
 from pivotrl_hpc.controller.clock import Clock
 from pivotrl_hpc.controller.decide import Decider, InlineDecider
-from pivotrl_hpc.controller.executor import MIGRATE, Action, PlanError, check_plan
-from pivotrl_hpc.controller.flow import ControllerError, RoleFlow, SeqRecord
+from pivotrl_hpc.controller.executor import (MIGRATE, Action, PlanError, add_actions,
+                                             check_plan)
+from pivotrl_hpc.controller.flow import RoleFlow, SeqRecord, check_replies
 from pivotrl_hpc.controller.handles import Devices
 from pivotrl_hpc.controller.monitor import RoleModel, TrainingView, snapshot
 from pivotrl_hpc.controller.policy import TauTracker
@@ -32,7 +33,8 @@ from pivotrl_hpc.controller.shifts import Executor, TrainingUnit
 from pivotrl_hpc.engines.vllm.types import Sampling
 from pivotrl_hpc.plan.snapshot import GEN_ROLES, WorkloadSnapshot
 from pivotrl_hpc.plan.types import AllocationPolicy, ShiftPlan
-from pivotrl_hpc.runtime.messages import Reload, Reply, Shutdown, Step, TrainBatch, TrainStep, WaitWrite
+from pivotrl_hpc.runtime.messages import (Reload, Reply, Shutdown, Step, TrainBatch, TrainStep,
+                                          WaitWrite)
 from pivotrl_hpc.sched.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
@@ -169,13 +171,8 @@ class Controller:
     def dispatch(self) -> None:
         for role, flow in self.flows.items():
             moves = flow.sched.dispatch()
-            by_dst: dict[str, list[int]] = {}
-            for m in moves:
-                by_dst.setdefault(m.dst, []).append(m.seq_id)
-            for dst, sids in by_dst.items():
-                info = self.executor.book.replicas[dst]
-                self.executor.apply(Action(MIGRATE, "add", role, dst, info.devices,
-                                           tuple(sids)), None)
+            for action in add_actions(role, moves, self.executor.book.replicas):
+                self.executor.apply(action, None)
 
     def drive(self) -> None:
         """Step every replica that has work and whose devices are all free (a TP replica's
@@ -189,7 +186,7 @@ class Controller:
 
     def _stepped(self, role: str, rid: str, epochs: dict[int, int]):
         def done(replies: list[Reply]) -> None:
-            self.executor._check(replies)
+            check_replies(replies)
             new = self.flows[role].on_step(rid, replies[0].result, self.clock.now(),
                                            lambda n, t, s: self._observe(role, n, t, s),
                                            epochs)
@@ -238,7 +235,7 @@ class Controller:
                           lambda replies: self._trained(step, t0, replies))
 
     def _trained(self, step: int, t0: float, replies: list[Reply]) -> None:
-        self.executor._check(replies)
+        check_replies(replies)
         metrics = replies[0].result
         samples = self.book.trained(step)
         self.step = step + 1
@@ -248,7 +245,7 @@ class Controller:
         self.devices.send(self.training.devices, WaitWrite(), self._published)
 
     def _published(self, replies: list[Reply]) -> None:
-        self.executor._check(replies)
+        check_replies(replies)
         self.published = int(replies[0].result)
         self.training.active = False
         self._events = True
@@ -260,7 +257,7 @@ class Controller:
 
     def _reloaded(self, rid: str):
         def done(replies: list[Reply]) -> None:
-            self.executor._check(replies)
+            check_replies(replies)
             if rid in self.flows["rollout"].versions:
                 self.flows["rollout"].versions[rid] = replies[0].result["version"]
         return done

@@ -26,12 +26,3 @@ class MPIWorkerHandle:
 
     def next_reply_time(self) -> float | None:
         return None  # live: replies come when they come
-
-    def drain(self, timeout_s: float, clock) -> list[Reply]:
-        """Wait up to `timeout_s` for every outstanding send and one reply (shutdown)."""
-        deadline = clock.now() + timeout_s
-        got: list[Reply] = []
-        while clock.now() < deadline and not got:
-            got = self.poll()
-            clock.wait_until(clock.now() + 0.01)
-        return got

@@ -8,7 +8,7 @@ from typing import Callable
 
 from pivotrl_hpc.controller.executor import (Action, ReplicaInfo, migration_actions,
                                              plan_actions)
-from pivotrl_hpc.controller.flow import ControllerError, RoleFlow
+from pivotrl_hpc.controller.flow import RoleFlow, check_replies
 from pivotrl_hpc.controller.handles import Devices
 from pivotrl_hpc.controller.policy import TauTracker
 from pivotrl_hpc.plan.snapshot import TRAINING
@@ -50,11 +50,6 @@ class Executor:
         self.device_role: dict[int, str] = {d: "idle" for d in devices.handles}
         self._last_role: dict[int, str] = dict(self.device_role)
 
-    @property
-    def plans(self) -> int:
-        """Plans executed so far (the last one's id + 1)."""
-        return self.book.plans
-
     def execute(self, plan: ShiftPlan) -> int:
         plan_id = self.book.plans
         self.book.plans += 1
@@ -70,9 +65,9 @@ class Executor:
         if a.kind == "add":
             event = "dispatch" if plan_id is None else "migrate"
             reqs = self.flows[a.role].place_ids(a.replica, a.seq_ids, event)
-            self.devices.send(a.devices, AddSequences(tuple(reqs)), self._check)
+            self.devices.send(a.devices, AddSequences(tuple(reqs)), check_replies)
         elif a.kind == "abort":
-            self.devices.send(a.devices, Abort(tuple(str(s) for s in a.seq_ids)), self._check)
+            self.devices.send(a.devices, Abort(tuple(str(s) for s in a.seq_ids)), check_replies)
         elif a.kind == "shift_down":
             self._shift_down(a, plan_id)
         else:
@@ -89,7 +84,7 @@ class Executor:
             self.flows[a.role].versions.pop(a.replica, None)
 
         def done(replies: list[Reply]) -> None:
-            self._check(replies)
+            check_replies(replies)
             if a.role == TRAINING:
                 self.training.up = self.training.shifting = False
             else:
@@ -111,7 +106,7 @@ class Executor:
         index = a.devices[0]
 
         def done(replies: list[Reply]) -> None:
-            self._check(replies)
+            check_replies(replies)
             for d in a.devices:
                 frm = self._last_role.get(d, "idle") if self.device_role[d] == "idle" else \
                     self.device_role[d]
@@ -152,11 +147,3 @@ class Executor:
                           phases=phases)
         log.info("shift %s %s %s in %.2f s", direction, a.role, a.replica, worker_s)
         self.on_change()
-
-    @staticmethod
-    def _check(replies: list[Reply]) -> None:
-        for r in replies:
-            if not r.ok:
-                raise ControllerError(f"{r.command} failed on device {r.device} "
-                                      f"({r.role.value}): {r.error} "
-                                      f"(holding sequences {list(r.seq_ids)})", r.device)
