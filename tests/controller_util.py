@@ -37,13 +37,13 @@ def prompts(n=64):
 
 def make_controller(paradigm="shiftable", gpus=8, train=(0, 1, 2, 3), steps=3, k=2,
                     params=None, bootstrap=None, reward_gpus=1, fail_on=None, eval_every=0,
-                    trace=None, batch_size=4, group_size=4, tau=None):
+                    trace=None, batch_size=4, group_size=4, tau=None, late_finish=False):
     clock = VirtualClock()
     store = ModeledStore()
     workers = [ModeledWorker(d, clock, store, {"policy": POLICY, "genrm": GENRM},
                              {"rollout": 0.5, "reward": 0.6, "training": 0.8},
                              {"rollout": 0.3, "reward": 0.3, "training": 0.4},
-                             fail_on=fail_on) for d in range(gpus)]
+                             fail_on=fail_on, late_finish=late_finish) for d in range(gpus)]
     lengths = Lengths("budget", 12, 0.8, 48, 6, 0.6, 16)
     book = RLBook(prompts(), steps=steps, batch_size=batch_size, group_size=group_size,
                   staleness=k, lengths=lengths, temperature=1.0, seed=0)

@@ -93,6 +93,16 @@ def test_training_tp_must_divide(tiny_config):
     assert e.key == "roles.train_tensor_parallel"
 
 
+def test_batch_must_split_over_training_dp(tiny_config):
+    # 4 training devices at TP=2: DP=2; 3 prompts x 3 samples = 9 rows do not split
+    e = error(tiny_config, ["rl.batch_size=3", "rl.group_size=3"])
+    assert e.key == "rl.batch_size" and "9 samples" in str(e) and "size 2" in str(e)
+    # colocated trains on all 8 devices (DP=4): 5 x 2 = 10 rows do not split over 4
+    e = error(tiny_config, ["paradigm.name=colocated", "rl.batch_size=5", "rl.group_size=2"])
+    assert e.key == "cluster.devices_per_node" and "colocated trains on every device" in str(e)
+    load_config(tiny_config, ["paradigm.name=colocated", "rl.batch_size=2"])   # 8 rows: fine
+
+
 def test_lengths_over_context(tiny_config):
     e = error(tiny_config, ["models.policy.max_response_len=4000"])
     assert e.key == "models.policy.max_response_len" and "2048" in str(e)

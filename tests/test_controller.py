@@ -171,3 +171,34 @@ def test_tp2_replicas_under_kv_pressure_resume_exactly():
     assert summary["steps"] == 3
     samples = [s for s in ctl.book.samples.values() if s.batch >= 0]
     assert all(s.state == "trained" for s in samples)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("paradigm", ["colocated", "shiftable", "rule_based"])
+def test_a_finish_reported_a_step_late_is_not_lost_to_a_migration(paradigm):
+    """Seen live (colocated, reward shifting up on 4 devices): the engine reported a
+    sequence's finish one Step after its last token, a shift-up migration moved the complete
+    sequence in between, and no engine ever finished it: the job hung. The record reaching
+    its budget is the finish now."""
+    ctl, _, summary = run(paradigm, late_finish=True)
+    assert summary["steps"] == 3 and summary["in_flight_at_end"] == 0
+    samples = [s for s in ctl.book.samples.values() if s.batch >= 0]
+    assert all(s.state == "trained" and len(s.response) == s.budget for s in samples)
+    assert len(samples) == 48
+
+
+def test_a_replica_that_lost_a_sequence_stops_the_run():
+    """A worker that drops a placed sequence (injected: the modeled engine forgets it) is
+    caught within STALL_STEPS Steps, naming the replica and the sequence, not a hang."""
+    from pivotrl_hpc.controller.flow import ControllerError
+
+    ctl, workers = make_controller("shiftable", bootstrap=split_bootstrap())
+    original = workers[4]._run
+
+    def forgetful(cmd):
+        result, seconds = original(cmd)
+        workers[4].seqs.clear()  # fault injection: the engine loses what it was given
+        return result, seconds
+    workers[4]._run = forgetful
+    with pytest.raises(ControllerError, match="returned no token for sequence"):
+        ctl.run()

@@ -95,6 +95,15 @@ def test_write_versions_pins_and_recycling(client, agent, tiny_models):
     # DP replicas other than rank 0 do not write
     h = client.write(m, {}, ParallelPlace(dp_size=2, dp_rank=1))
     assert h.done()
+    # ... and with `follow` they wait for the version rank 0 writes (seen live: a DP rank 1
+    # re-shifting up to training asked GPS for "v-1", the plain handle's version)
+    follow = client.write(m, {}, ParallelPlace(dp_size=2, dp_rank=1), follow=v0 + 4)
+    assert follow.version == v0 + 4 and not follow.done()
+    with pytest.raises(TimeoutError):
+        follow.wait(timeout=0.05)
+    _write_tp2(client, m, {k: v + 4 for k, v in hf.items()}, shape)
+    client.sync()
+    assert follow.wait(timeout=10) == v0 + 4 and follow.done()
 
 
 def test_write_accepts_trainer_parameters(client, tiny_models):

@@ -4,53 +4,17 @@ trace — while it runs and after. One real run (~4 min on 2 cores): the paradig
 covered on modeled workers in test_controller.py."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import time
-from collections import Counter
-from pathlib import Path
-
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
+from live_util import check_nothing_lost, run_job
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def tiny_run(tiny_models, tmp_path_factory):
-    from pivotrl_hpc.trace import open_trace
-
     out = tmp_path_factory.mktemp("live")
-    trace = out / "tiny.h5"
-    cmd = [sys.executable, "-m", "pivotrl_hpc.cli.main", "run",
-           str(ROOT / "configs" / "tiny-cpu.yaml"),
-           f"models.policy.path={tiny_models / 'policy'}",
-           f"models.genrm.path={tiny_models / 'genrm'}",
-           f"data.train={tiny_models / 'data' / 'train.jsonl'}",
-           f"data.validation={tiny_models / 'data' / 'validation.jsonl'}",
-           f"trace.path={trace}", "rl.eval_every=3", "rl.eval_prompts=4"]
-    before = set(Path("/dev/shm").glob("pivotrl-*"))
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "UCX_MODULES": "^ib,rdmacm"})
-    seen_while_running: list[int] = []
-    deadline = time.monotonic() + 900
-    while proc.poll() is None and time.monotonic() < deadline:
-        if trace.exists():
-            try:  # SWMR: the writer holds the file open; a reader sees flushed rows
-                with open_trace(str(trace)) as t:
-                    if t.summary is None:
-                        seen_while_running.append(t.rows("steps"))
-            except OSError:
-                pass  # created but not yet switched to SWMR
-        time.sleep(2)
-    output = proc.communicate(timeout=60)[0]
-    assert proc.returncode == 0, output[-4000:]
-    left = set(Path("/dev/shm").glob("pivotrl-*")) - before
-    return {"trace": trace, "output": output, "seen": seen_while_running, "left": left,
-            "summary": json.loads(trace.with_suffix(".summary.json").read_text())}
+    return run_job("tiny-cpu.yaml", tiny_models, out / "tiny.h5",
+                   ["rl.eval_every=3", "rl.eval_prompts=4"], watch=True)
 
 
 def test_three_steps_and_a_summary_a_person_can_read(tiny_run):
@@ -59,6 +23,11 @@ def test_three_steps_and_a_summary_a_person_can_read(tiny_run):
     assert s["tokens_per_s"] > 0 and s["in_flight_at_end"] == 0
     assert "end-to-end" in tiny_run["output"] and "shifts:" in tiny_run["output"]
     assert [v["step"] for v in s["validation"]] == [3]
+    rss = s["peak_rss_mb"]                           # every worker rank and engine host
+    assert sorted(rss) == [str(d) for d in range(8)]
+    assert all(v["worker"] > 50 for v in rss.values())
+    assert all(v["host:genrm"] > 200 for v in rss.values())   # every device served GenRM
+    assert "peak RSS: worker ranks" in tiny_run["output"]
 
 
 def test_a_reader_sees_steps_appear_while_the_job_runs(tiny_run):
@@ -68,18 +37,7 @@ def test_a_reader_sees_steps_appear_while_the_job_runs(tiny_run):
 
 
 def test_nothing_lost_and_staleness_held_from_the_trace(tiny_run):
-    from pivotrl_hpc.trace import open_trace
-
-    with open_trace(str(tiny_run["trace"])) as t:
-        seq, steps, shifts = t.table("sequences"), t.table("steps"), t.table("shifts")
-    finishes = Counter((r, i) for e, r, i in zip(seq["event"], seq["role"], seq["seq_id"])
-                       if e == "finish")
-    rollout = {i for (r, i) in finishes if r == "rollout"}
-    reward = {i for (r, i) in finishes if r == "reward"}
-    assert set(finishes.values()) == {1}            # every sequence finishes exactly once
-    trained = 3 * 4 * 4                              # steps x batch x group
-    assert reward <= rollout and len(reward) == trained
-    assert list(steps["samples"]) == [16, 16, 16] and steps["max_lag"].max() <= 2
+    shifts = check_nothing_lost(tiny_run["trace"], steps=3, per_step=4 * 4, k=2)["shifts"]
     assert set(shifts["direction"]) == {"up", "down"}
     assert {"reward", "rollout", "training"} <= set(shifts["role"])
     reward_ups = [d for r, d, di in zip(shifts["role"], shifts["devices"], shifts["direction"])

@@ -56,6 +56,16 @@ def _training(cfg: Config) -> None:
         raise ConfigError("roles.train_tensor_parallel",
                           f"{r.train_tensor_parallel} does not divide roles.train_devices="
                           f"{r.train_devices}")
+    # colocated trains on every device (config.paradigm.normalize): check that width
+    train = cfg.total_devices if cfg.paradigm.name == "colocated" else r.train_devices
+    dp, rows = train // r.train_tensor_parallel, cfg.rl.batch_size * cfg.rl.group_size
+    if train % r.train_tensor_parallel == 0 and rows % dp:
+        key = "rl.batch_size" if cfg.paradigm.name != "colocated" else "cluster.devices_per_node"
+        raise ConfigError(key, f"a step's {rows} samples (rl.batch_size x rl.group_size) do "
+                               f"not split evenly over training's data parallel size {dp} "
+                               f"({train} training devices / TP {r.train_tensor_parallel})"
+                               + (" (colocated trains on every device)"
+                                  if cfg.paradigm.name == "colocated" else ""))
     if cfg.rl.group_size < 2:
         raise ConfigError("rl.group_size", f"{cfg.rl.group_size}: GRPO needs at least 2 "
                                            "responses per prompt to normalise advantages")

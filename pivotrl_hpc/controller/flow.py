@@ -7,6 +7,12 @@ moved elsewhere resumes from the record, and progress from an earlier placement 
 `epoch`, and a Step only counts for the placements it was sent to. So every sequence
 finishes exactly once and its final tokens equal the record (checked against the engine's
 own account on every finish).
+
+A record whose tokens reach its budget is finished from the record at once. Seen live: the
+engine's finish of a sequence can come a Step after its last token; a migration in between
+(ShiftUpMigration) then moved a complete sequence, which no engine would ever finish, and
+the job hung. And a replica that returns no token for a placed sequence over `STALL_STEPS`
+Steps has lost it: the run stops, naming both, instead of waiting forever.
 """
 from __future__ import annotations
 
@@ -59,6 +65,8 @@ class SeqRecord:
         return Sequence(self.sid, len(self.prompt_ids), len(self.generated))
 
 
+STALL_STEPS = 64  # Steps of a replica without a token for a placed sequence: it is lost
+
 Finished = Callable[[SeqRecord, float], None]   # (record, now)
 Event = Callable[..., None]                      # trace hook: (event, record, replica)
 
@@ -74,6 +82,7 @@ class RoleFlow:
         self.versions: dict[str, int | None] = {}   # replica -> policy version it serves
         self.tokens_total = 0
         self.preempted: list[tuple[str, int]] = []  # (replica, sid) to abort on the engine
+        self._idle_steps: dict[int, int] = {}       # sid -> Steps of its owner without a token
 
     def submit(self, rec: SeqRecord) -> None:
         if rec.sid in self.records:
@@ -113,7 +122,7 @@ class RoleFlow:
         """Apply one Step reply of `replica`, sent when its sequences had `epochs`; returns
         the new tokens counted."""
         r = self.sched.replicas.get(replica)
-        new = 0
+        new, advanced = 0, set()
         for out in outputs:
             if r is not None:
                 observe(r.n_seq, r.n_tok, out.seconds)
@@ -121,13 +130,30 @@ class RoleFlow:
             for p in out.progress:
                 sid = int(p.seq_id)
                 if self._current(replica, sid, epochs):
+                    rec = self.records[sid]
+                    complete = len(rec.generated) + len(p.token_ids) >= rec.budget
                     new += self._progress(replica, sid, p.token_ids, p.logprobs,
-                                          p.seq_id in done)
+                                          p.seq_id in done or complete)
+                    advanced.add(sid)
+                    if complete and p.seq_id not in done:
+                        self._finish(replica, sid, list(rec.generated), now)
             for f in out.finished:
                 if self._current(replica, int(f.seq_id), epochs):
                     self._finish(replica, int(f.seq_id), list(f.token_ids), now)
+        self._check_stalls(replica, epochs, advanced)
         self.tokens_total += new
         return new
+
+    def _check_stalls(self, replica: str, epochs: dict[int, int], advanced: set[int]) -> None:
+        for sid in epochs:
+            if sid in advanced or not self._current(replica, sid, epochs):
+                self._idle_steps.pop(sid, None)
+                continue
+            n = self._idle_steps[sid] = self._idle_steps.get(sid, 0) + 1
+            if n >= STALL_STEPS:
+                raise ControllerError(
+                    f"{self.role} replica {replica} returned no token for sequence {sid} in "
+                    f"{n} Steps: the engine does not hold it (controller and worker disagree)")
 
     def _current(self, replica: str, sid: int, epochs: dict[int, int]) -> bool:
         """Output of this placement? A former owner's late output, or output of an earlier
@@ -158,6 +184,7 @@ class RoleFlow:
                 f"not continue its record ({len(tokens)} vs {len(rec.generated)} tokens)")
         self.sched.replicas[replica].remove(sid)
         rec.finished, rec.replica = True, None
+        self._idle_steps.pop(sid, None)
         self.on_event("finish", rec, replica)
         self.on_finished(rec, now)
 

@@ -22,7 +22,7 @@ from pivotrl_hpc.controller.flow import ControllerError
 from pivotrl_hpc.controller.handles import Devices
 from pivotrl_hpc.controller.loop import Controller, LoopConfig
 from pivotrl_hpc.controller.monitor import RoleModel
-from pivotrl_hpc.controller.mpi_handle import MPIWorkerHandle
+from pivotrl_hpc.controller.mpi_handle import MPIInbox, MPIWorkerHandle
 from pivotrl_hpc.controller.policy import TauTracker, initial_tau, make_paradigm_policy
 from pivotrl_hpc.controller.report import format_summary
 from pivotrl_hpc.controller.rl import Lengths, RLBook
@@ -126,8 +126,9 @@ def run_on(cfg: Config, comm, device_ranks: Mapping[int, int], trace_path: str |
     from pivotrl_hpc.trace import TraceWriter
 
     clock = MonotonicClock()
-    devices = Devices([MPIWorkerHandle(comm, rank, d) for d, rank in sorted(device_ranks.items())],
-                      clock.now)
+    inbox = MPIInbox(comm)
+    devices = Devices([MPIWorkerHandle(comm, rank, d, inbox)
+                       for d, rank in sorted(device_ranks.items())], clock.now)
     meta = {"config": to_dict(cfg), "paradigm": cfg.paradigm.name, "host": socket.gethostname(),
             "device_ranks": {str(d): r for d, r in device_ranks.items()}}
     trace = TraceWriter(str(trace_path), meta)

@@ -33,8 +33,8 @@ from pivotrl_hpc.controller.shifts import Executor, TrainingUnit
 from pivotrl_hpc.engines.vllm.types import Sampling
 from pivotrl_hpc.plan.snapshot import GEN_ROLES, WorkloadSnapshot
 from pivotrl_hpc.plan.types import AllocationPolicy, ShiftPlan
-from pivotrl_hpc.runtime.messages import (Reload, Reply, Shutdown, Step, TrainBatch, TrainStep,
-                                          WaitWrite)
+from pivotrl_hpc.runtime.messages import (QueryState, Reload, Reply, Shutdown, Step,
+                                          TrainBatch, TrainStep, WaitWrite)
 from pivotrl_hpc.sched.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
@@ -96,7 +96,9 @@ class Controller:
                 self.monitor()
                 self.clock.wait_until(self.next_event())
             ok = True
-            return self.report.summary()
+            summary = self.report.summary()
+            summary["peak_rss_mb"] = self.peak_rss()
+            return summary
         finally:
             self.trace.flush()  # readable whatever happens next (a dead worker gets us killed)
             # A failed run waits only briefly for answers: a dead worker never replies.
@@ -289,6 +291,26 @@ class Controller:
         due = [self._plan_at, self.report.next_tick, self.devices.next_reply_time()]
         later = [t for t in due if t is not None and t > now]
         return min(later) if later else now + self.cfg.planner_interval_s
+
+    def peak_rss(self, timeout_s: float = 30.0) -> dict[str, dict[str, float]]:
+        """Peak RSS per device worker and its engine hosts (QueryState, after the run)."""
+        got: dict[str, dict[str, float]] = {}
+        left = set(self.devices.handles)
+
+        def record(replies: list[Reply]) -> None:
+            r = replies[0]
+            left.discard(r.device)
+            if r.ok and isinstance(r.result, dict) and "peak_rss_mb" in r.result:
+                got[str(r.device)] = r.result["peak_rss_mb"]
+
+        for d in sorted(left):
+            self.devices.send((d,), QueryState(), record)
+        deadline = self.clock.now() + timeout_s
+        while left and self.clock.now() < deadline:
+            self.devices.collect()
+            nxt = self.devices.next_reply_time()
+            self.clock.wait_until(nxt if nxt is not None else self.clock.now() + 0.01)
+        return got
 
     def shutdown(self, timeout_s: float = 60.0) -> None:
         """Every worker gets Shutdown on every exit path. Replies still in flight are

@@ -141,6 +141,7 @@ class Reporter:
         return {
             "paradigm": ctl.policy.name, "steps": ctl.step, "seconds": end,
             "tokens_per_s": self.trained_tokens / end if end > 0 else 0.0,
+            "steady_tokens_per_s": self.steady_tokens_per_s(),
             "trained_tokens": self.trained_tokens,
             "role_tokens_per_s": {r: ctl.flows[r].tokens_total / end if end > 0 else 0.0
                                   for r in GEN_ROLES},
@@ -155,6 +156,14 @@ class Reporter:
             "idle_fraction": self.idle_fraction(end),
         }
 
+    def steady_tokens_per_s(self) -> float | None:
+        """Steps 1.. only: their tokens over the seconds from step 0's end to the last
+        step's end, so one-off start-up (the first engine builds) does not count."""
+        if len(self.steps) < 2:
+            return None
+        seconds = self.steps[-1]["t"] - self.steps[0]["t"]
+        return sum(s["tokens"] for s in self.steps[1:]) / seconds if seconds > 0 else None
+
     def idle_fraction(self, end: float) -> float | None:
         work = self.ctl.devices.work_s
         if self.ctl.devices.now is None or end <= 0:
@@ -165,7 +174,9 @@ class Reporter:
 def format_summary(s: dict[str, Any]) -> str:
     """The end-of-run summary for a person (the JSON next to the trace has it all)."""
     lines = [f"{s['paradigm']}: {s['steps']} steps in {s['seconds']:.1f} s, "
-             f"end-to-end {s['tokens_per_s']:.1f} tokens/s ({s['trained_tokens']} tokens trained)",
+             f"end-to-end {s['tokens_per_s']:.1f} tokens/s ({s['trained_tokens']} tokens trained)"
+             + (f", {s['steady_tokens_per_s']:.1f} tokens/s after step 0"
+                if s.get("steady_tokens_per_s") else ""),
              "  per role tokens/s: " + ", ".join(f"{r} {v:.1f}" for r, v in
                                                 s["role_tokens_per_s"].items()),
              f"  shifts: {s['shifts']} " + (str(s["shifts_by_kind"]) if s["shifts"] else "")]
@@ -178,6 +189,14 @@ def format_summary(s: dict[str, Any]) -> str:
             f"after {v['step']}: {v['accuracy']:.3f}" for v in s["validation"]))
     if s.get("idle_fraction") is not None:
         lines.append(f"  device idle fraction {s['idle_fraction']:.2f}")
+    rss = s.get("peak_rss_mb") or {}
+    if rss:
+        worker = max(v.get("worker", 0.0) for v in rss.values())
+        hosts = [x for v in rss.values() for k, x in v.items() if k.startswith("host:")]
+        lines.append(f"  peak RSS: worker ranks <= {worker:.0f} MB"
+                     + (f", engine hosts <= {max(hosts):.0f} MB" if hosts else "")
+                     + (f", controller {s['controller_peak_rss_mb']:.0f} MB"
+                        if "controller_peak_rss_mb" in s else ""))
     lines.append(f"  max version lag {s['max_lag']}, admission held {s['staleness_held_s']:.1f} s"
                  f" by staleness, unparsed GenRM verdicts {s['unparsed_genrm']}, "
                  f"samples in flight at the end {s['in_flight_at_end']}")

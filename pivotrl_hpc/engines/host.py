@@ -19,10 +19,19 @@ def trim_host_heap() -> None:
     libc.malloc_trim(0)
 
 
+def _status_bytes(key: str, pid: int | str) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{key} not found in /proc/{pid}/status")
+
+
 def rss_bytes() -> int:
     """Resident set size of this process (VmRSS from /proc/self/status)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("VmRSS not found in /proc/self/status")
+    return _status_bytes("VmRSS", "self")
+
+
+def peak_rss_bytes(pid: int | str = "self") -> int:
+    """Peak resident set size (VmHWM) of a live process: this one or a child."""
+    return _status_bytes("VmHWM", pid)

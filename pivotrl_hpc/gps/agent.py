@@ -150,20 +150,25 @@ class NodeAgent:
         return self.transport.expose((model, version), seg._u8)
 
     # ---- event loop -----------------------------------------------------------------------
-    def serve_forever(self) -> None:
+    def serve_forever(self, busy_s: float = 0.002, idle_s: float = 0.02) -> None:
+        """Poll at `busy_s` while anything moves, backing off to `idle_s` when idle: the
+        agent shares its node with capped devices, and an MPI probe every 2 ms cost ~half a
+        core. Clients wake it at once (select); peers' messages wait at most `idle_s`."""
+        timeout = busy_s
         try:
             while not self._done():
-                self.step()
+                timeout = busy_s if self.step(timeout) else min(2 * timeout, idle_s)
         finally:
             self.close()
 
     def _done(self) -> bool:
         return self._stopping and len(self._byes) >= self.n_nodes and not self._fetches
 
-    def step(self, timeout: float = 0.002) -> None:
-        self._poll_clients(timeout)
+    def step(self, timeout: float = 0.002) -> bool:
+        """One turn of the loop; True when anything happened or is in progress."""
+        busy = self._poll_clients(timeout)
         if self.comm is not None:
-            self._poll_peers()
+            busy = self._poll_peers() or busy
             self.transport.progress()
         self._advance_writes()
         self._advance_fetches()
@@ -171,8 +176,9 @@ class NodeAgent:
             retire = None if self.transport is None else \
                 (lambda v, m=store.model: self.transport.withdraw((m, v)))
             store.collect(self.ctl, on_retire=retire)
+        return busy or bool(self._fetches) or bool(self.writes)
 
-    def _poll_clients(self, timeout: float) -> None:
+    def _poll_clients(self, timeout: float) -> bool:
         ready, _, _ = select.select([self.sock, *self._clients], [], [], timeout)
         for s in ready:
             if s is self.sock:
@@ -197,6 +203,7 @@ class NodeAgent:
                 except Exception as e:  # noqa: BLE001 - a bad request must not stop the node
                     log.exception("GPS request failed")
                     self._reply(s, {"op": "error", "error": f"{type(e).__name__}: {e}"})
+        return bool(ready)
 
     def _reply(self, conn: socket.socket, msg: dict) -> None:
         try:
@@ -204,10 +211,11 @@ class NodeAgent:
         except OSError:
             log.debug("client went away before its reply")
 
-    def _poll_peers(self) -> None:
+    def _poll_peers(self) -> bool:
         from mpi4py import MPI
-        status = MPI.Status()
+        status, got = MPI.Status(), False
         while self.comm.iprobe(source=MPI.ANY_SOURCE, tag=CTRL_TAG, status=status):
+            got = True
             src = status.Get_source()
             msg = self.comm.recv(source=src, tag=CTRL_TAG)
             try:
@@ -215,6 +223,7 @@ class NodeAgent:
             except ValueError:  # a report about a version this node already finished
                 log.error("peer message %r from agent %d ignored", msg.get("op"), src,
                           exc_info=True)
+        return got
 
     def _broadcast(self, msg: dict) -> None:
         for node in range(self.n_nodes):

@@ -82,6 +82,23 @@ class WriteHandle:
         return self.version
 
 
+@dataclass
+class FollowWrite:
+    """A DP rank > 0's view of the Write its DP rank 0 makes (only rank 0 writes): done once
+    this node has published `version`, the version the rank's params now equal."""
+    client: "GPSClient"
+    model: str
+    version: int
+
+    def done(self) -> bool:
+        cur = self.client.state(self.model).current
+        return cur is not None and cur >= self.version
+
+    def wait(self, timeout: float = 300.0) -> int:
+        self.client.wait_version(self.model, self.version, timeout)
+        return self.version
+
+
 class GPSClient:
     def __init__(self, job: str, node: str, *, wait_s: float = 60.0):
         self.job, self.node = job, node
@@ -249,14 +266,18 @@ class GPSClient:
 
     # ---- Write -----------------------------------------------------------------------------
     def write(self, model: str, shard: Mapping[str, Tensor], place: ParallelPlace,
-              *, layout: str = "megatron") -> WriteHandle:
+              *, layout: str = "megatron", follow: int | None = None
+              ) -> WriteHandle | FollowWrite:
         """Write(M, G, P): this rank's shard into the next version; returns at memory speed.
 
         `layout="megatron"`: a Megatron-Core state-dict shard of TP rank `place.tp_rank`;
         `layout="hf"`: HF-named tensors sliced as `read` returns them for `place`. Only DP
-        rank 0 writes (DP replicas hold the same weights); other ranks get a done handle.
+        rank 0 writes (DP replicas hold the same weights); another rank gets a done handle,
+        or with `follow` (the version rank 0 writes) a handle that waits for it on this node.
         """
         if place.dp_rank != 0:
+            if follow is not None:
+                return FollowWrite(self, model, follow)
             return WriteHandle(None, model, -1, True)
         shape = self.shape(model)
         if layout == "megatron":

@@ -113,7 +113,11 @@ class NIXLTransport:
         self.me = f"gps{node_index}"
         try:
             from nixl._api import nixl_agent, nixl_agent_config
-            self.agent = nixl_agent(self.me, nixl_agent_config(backends=["UCX"]))
+            # No progress thread: NIXL's UCX thread polls with a zero timeout, a whole core
+            # per node agent, taken from the capped devices. The agent's loop progresses
+            # UCX itself (`progress`, every 2 ms while a transfer is in flight).
+            self.agent = nixl_agent(self.me, nixl_agent_config(enable_prog_thread=False,
+                                                               backends=["UCX"]))
             err = ""
         except Exception as e:  # noqa: BLE001 - reported collectively below
             err = f"{type(e).__name__}: {e}"

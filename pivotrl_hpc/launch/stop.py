@@ -98,7 +98,7 @@ def wait_barrier(comm, what: str, timeout: float | None = None) -> None:
     while not req.Test():
         if deadline is not None and time.monotonic() > deadline:
             raise TimeoutError(f"{what}: not every rank arrived within {timeout:.0f} s")
-        time.sleep(0.01)
+        time.sleep(0.05)  # a whole job's wait on the agent ranks: Test drives MPI progress
 
 
 def watch_launcher(pid: int) -> None:

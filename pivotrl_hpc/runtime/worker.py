@@ -14,6 +14,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Protocol
 
+from pivotrl_hpc.engines.host import peak_rss_bytes
 from pivotrl_hpc.engines.vllm.types import EngineOptions
 from pivotrl_hpc.gps.layout import ParallelPlace
 from pivotrl_hpc.runtime.context import ContextKind, phase
@@ -31,8 +32,10 @@ class ParameterStore(Protocol):
              *, layout: str = "hf") -> Mapping[str, Any]:
         """`layout="hf"`: HF-named slices (inference); "megatron": a TP rank's shard."""
 
-    def write(self, model: str, shard: Mapping[str, Any], place: ParallelPlace) -> Any:
-        """Write this rank's Megatron shard; returns a handle whose wait() gives the version."""
+    def write(self, model: str, shard: Mapping[str, Any], place: ParallelPlace, *,
+              follow: int | None = None) -> Any:
+        """Write this rank's Megatron shard; returns a handle whose wait() gives the version
+        (a DP rank > 0 writes nothing and, with `follow`, waits for that version)."""
 
 
 @dataclass
@@ -292,7 +295,19 @@ class DeviceWorker:
         engine = self._engine(required=False)
         state = engine.state() if engine is not None and engine.awake else None
         return {"role": self.role.value, "replica": self.replica, "version": self.version,
-                "engine": state}, {}
+                "engine": state, "peak_rss_mb": self.peak_rss_mb()}, {}
+
+    def peak_rss_mb(self) -> dict[str, float]:
+        """Peak RSS (VmHWM) of this worker rank and of each engine host it runs."""
+        out = {"worker": peak_rss_bytes() / 2**20}
+        for model, engine in self.engines.items():
+            pid = getattr(engine, "pid", None)
+            if pid is not None:
+                try:
+                    out[f"host:{model}"] = peak_rss_bytes(pid) / 2**20
+                except (OSError, RuntimeError):  # the host is gone: nothing to report
+                    pass
+        return out
 
     # --- training ------------------------------------------------------------------------
     def _train_step(self, cmd: TrainStep) -> tuple[Any, dict]:
@@ -306,8 +321,12 @@ class DeviceWorker:
             t1 = time.perf_counter()
             # Returns at memory speed; replication to the other nodes overlaps with whatever
             # the controller does next (wait on the handle before reading the new version).
+            # Only DP rank 0 writes; the others follow its version (versions count the
+            # published steps), so that a re-shift-up Reads exactly their params back.
+            follow = {} if self.spec.training_place.dp_rank == 0 else {
+                "follow": (self._trainer_version or 0) + 1}
             self.pending_write = self.store.write("policy", self.trainer.shard_state(),
-                                                  self.spec.training_place)
+                                                  self.spec.training_place, **follow)
             metrics["gps_version"] = self.pending_write.version
             phases["gps_write_submit"] = time.perf_counter() - t1
         self._params_in_gps = cmd.publish  # else a shift down must keep them (host copy)

@@ -56,6 +56,9 @@ class ModeledWorker:
     version: int | None = None
     fail_on: type | None = None        # inject a failure on this command type (tests)
     slowdown: float = 1.0              # this device's step latency / the model's
+    # True: a sequence's finish is reported by the Step after the one of its last token, and
+    # a named Abort in between drops it silently, as the real engine can (flow.py docstring)
+    late_finish: bool = False
     seqs: dict[str, _Seq] = field(default_factory=dict)
     _due: list[tuple[float, Reply]] = field(default_factory=list)
     _free_at: float = 0.0
@@ -103,7 +106,7 @@ class ModeledWorker:
                                            s.sampling)
             return len(cmd.seqs), 0.0
         if isinstance(cmd, Step):
-            outs = [self._iteration() for _ in range(cmd.iterations)]
+            outs = [self._iteration(i == 0) for i in range(cmd.iterations)]
             return outs, sum(o.seconds for o in outs)
         if isinstance(cmd, Abort):
             return self._abort(cmd.seq_ids), 0.0
@@ -122,18 +125,25 @@ class ModeledWorker:
             return {"role": self.role.value, "version": self.version}, 0.0
         raise TypeError(f"modeled worker cannot run {cmd!r}")
 
-    def _iteration(self) -> StepOutput:
+    def _iteration(self, first: bool = True) -> StepOutput:
         model = self.models["policy" if self.role == RoleKind.ROLLOUT else "genrm"]
         n_tok = sum(len(s.prompt) + len(s.generated) for s in self.seqs.values())
         seconds = self.slowdown * model.latency(len(self.seqs), n_tok) if self.seqs else 0.0
         progress, finished = [], []
         for sid, s in list(self.seqs.items()):
+            if s.remaining <= 0:  # late_finish: reported by the Step after its last token
+                if not first:
+                    continue
+                finished.append(FinishedSequence(sid, s.prompt, list(s.generated),
+                                                 list(s.logprobs), "length"))
+                del self.seqs[sid]
+                continue
             tok = token_at(sid, len(s.generated), self.vocab)
             s.generated.append(tok)
             s.logprobs.append(-1.0)
             s.remaining -= 1
             progress.append(SeqProgress(sid, [tok], [-1.0]))
-            if s.remaining <= 0:
+            if s.remaining <= 0 and not self.late_finish:
                 finished.append(FinishedSequence(sid, s.prompt, list(s.generated),
                                                  list(s.logprobs), "length"))
                 del self.seqs[sid]
@@ -144,6 +154,8 @@ class ModeledWorker:
         out = []
         for sid in ids:
             s = self.seqs.pop(sid)
+            if s.remaining <= 0:  # finished in the engine: not returned, never reported
+                continue
             out.append(AbortedSequence(sid, s.prompt, s.generated, s.logprobs, s.remaining,
                                        s.sampling))
         return out

@@ -1,0 +1,71 @@
+"""Real `pivotrl run` jobs for the live tests: the command, its output, its summary, what it
+left in /dev/shm, and (optionally) what a reader saw in the trace while the job ran."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def model_overrides(models: Path) -> list[str]:
+    return [f"models.policy.path={models / 'policy'}", f"models.genrm.path={models / 'genrm'}",
+            f"data.train={models / 'data' / 'train.jsonl'}",
+            f"data.validation={models / 'data' / 'validation.jsonl'}"]
+
+
+def run_job(config: str, models: Path, trace: Path, overrides: list[str],
+            timeout_s: float = 900, watch: bool = False) -> dict:
+    """Run one job to its end; return trace path, output, summary, steps seen while it ran
+    (with `watch`) and the /dev/shm entries of pivotrl it left."""
+    from pivotrl_hpc.trace import open_trace
+
+    cmd = [sys.executable, "-m", "pivotrl_hpc.cli.main", "run", str(ROOT / "configs" / config),
+           *model_overrides(models), f"trace.path={trace}", *overrides]
+    before = set(Path("/dev/shm").glob("pivotrl-*"))
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "UCX_MODULES": "^ib,rdmacm"})
+    seen: list[int] = []
+    deadline = time.monotonic() + timeout_s
+    while watch and proc.poll() is None and time.monotonic() < deadline:
+        if trace.exists():
+            try:  # SWMR: the writer holds the file open; a reader sees flushed rows
+                with open_trace(str(trace)) as t:
+                    if t.summary is None:
+                        seen.append(t.rows("steps"))
+            except OSError:
+                pass  # created but not yet switched to SWMR
+        time.sleep(2)
+    try:
+        output = proc.communicate(timeout=max(60.0, deadline - time.monotonic()))[0]
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        output = proc.communicate()[0]
+        raise AssertionError(f"{config} {overrides} did not finish in {timeout_s:.0f} s:\n"
+                             + output[-4000:])
+    assert proc.returncode == 0, output[-4000:]
+    left = set(Path("/dev/shm").glob("pivotrl-*")) - before
+    return {"trace": trace, "output": output, "seen": seen, "left": left,
+            "summary": json.loads(trace.with_suffix(".summary.json").read_text())}
+
+
+def check_nothing_lost(trace: Path, steps: int, per_step: int, k: int) -> dict:
+    """From the trace: every sequence finishes exactly once, every trained sample was
+    rolled out and judged, each step trains `per_step` samples, the lag stays <= k."""
+    from pivotrl_hpc.trace import open_trace
+
+    with open_trace(str(trace)) as t:
+        seq, st, shifts = t.table("sequences"), t.table("steps"), t.table("shifts")
+    finishes = Counter((r, i) for e, r, i in zip(seq["event"], seq["role"], seq["seq_id"])
+                       if e == "finish")
+    rollout = {i for (r, i) in finishes if r == "rollout"}
+    reward = {i for (r, i) in finishes if r == "reward"}
+    assert set(finishes.values()) == {1}            # every sequence finishes exactly once
+    assert reward <= rollout and len(reward) == steps * per_step
+    assert list(st["samples"]) == [per_step] * steps and st["max_lag"].max() <= k
+    return {"steps": st, "shifts": shifts}
