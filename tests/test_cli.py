@@ -198,3 +198,32 @@ def test_bench_shift_json_smoke(tiny_models):
     train = roles["training"]
     assert {k.split(".")[1] for k in train["up_phases"] if k.count(".") == 2} == {"reload"}
     assert {k.split(".")[1] for k in train["down_phases"] if k.count(".") == 2} == {"offload"}
+
+
+def test_bench_e2e_searches_both_static_baselines_and_computes_speedups(tiny_models):
+    """The split search candidates (disaggregated: rollout/reward of the non-training pool;
+    rr_colocated: training devices in whole TP groups whose DP splits the batch) and the
+    speed-ups on the steady figure. The runs themselves are `pivotrl run` (test_learning)."""
+    import argparse
+
+    from pivotrl_hpc.cli import bench_e2e
+
+    overrides = [f"models.policy.path={tiny_models / 'policy'}",
+                 f"models.genrm.path={tiny_models / 'genrm'}",
+                 f"data.train={tiny_models / 'data' / 'train.jsonl'}"]
+    args = argparse.Namespace(config="configs/tiny-cpu.yaml", overrides=overrides,
+                              no_search=False, steps=3, repeats=1)
+    dis = bench_e2e.candidates(args, "disaggregated")    # pool 4, reward replicas of 2
+    assert dis == [["paradigm.initial_rollout_devices=2", "paradigm.initial_reward_devices=2"]]
+    rr = bench_e2e.candidates(args, "rr_colocated")      # TP 2: 2, 4, 6 devices; 16 rows
+    assert rr == [["roles.train_devices=2"], ["roles.train_devices=4"]]
+    assert bench_e2e.candidates(args, "shiftable") == []
+    result = {"colocated": {"steady_tokens_per_s": 10.0, "tokens_per_s": 5.0},
+              "disaggregated": {"steady_tokens_per_s": 20.0, "tokens_per_s": 8.0},
+              "shiftable": {"steady_tokens_per_s": 30.0, "tokens_per_s": 8.0}}
+    assert bench_e2e.speedups(result, "steady_tokens_per_s") == {"colocated": 3.0,
+                                                                 "disaggregated": 1.5}
+    assert bench_e2e.speedups(result, "tokens_per_s") == {"colocated": 1.6,
+                                                          "disaggregated": 1.0}
+    w = bench_e2e.workload(args)
+    assert w["cluster"]["cpu_share"] == 0.2 and w["rl"]["batch_size"] == 4

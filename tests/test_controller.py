@@ -202,3 +202,12 @@ def test_a_replica_that_lost_a_sequence_stops_the_run():
     workers[4]._run = forgetful
     with pytest.raises(ControllerError, match="returned no token for sequence"):
         ctl.run()
+
+
+def test_describe_says_what_the_loop_waits_on():
+    ctl, _ = make_controller("shiftable")
+    ctl.executor.execute(split_bootstrap())
+    text = ctl.describe()
+    assert "device 4: ShiftUp in flight" in text and "device 0: free" in text
+    ctl.run()
+    assert "step 3/3" in ctl.describe() and "open records []" in ctl.describe()

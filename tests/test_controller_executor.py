@@ -141,3 +141,18 @@ def _cfg(name: str) -> Config:
     p.rule_high_kv, p.rule_low_kv = 0.7, 0.2
     p.initial_rollout_devices, p.initial_reward_devices = 2, 2
     return cfg
+
+
+def test_a_sequence_moved_twice_in_one_migration_is_sent_once():
+    """Algorithm 4 may move a sequence r1 -> r2 and later r2 -> r0 in one migration: it is
+    aborted on r1 and added on r0 only (before, it was also added on r2, a second live copy)."""
+    from pivotrl_hpc.controller.executor import ReplicaInfo, migration_actions, net_moves
+    from pivotrl_hpc.sched.scheduler import MigrationResult, Move
+
+    moves = [Move(5, None, "r0"), Move(7, "r1", "r2"), Move(8, "r2", "r0"),
+             Move(7, "r2", "r0"), Move(9, "r1", "r2"), Move(9, "r2", "r1")]
+    assert net_moves(moves) == [Move(5, None, "r0"), Move(7, "r1", "r0"), Move(8, "r2", "r0")]
+    replicas = {r: ReplicaInfo("reward", (i,)) for i, r in enumerate(("r0", "r1", "r2"))}
+    acts = migration_actions("reward", MigrationResult(moves=moves), replicas)
+    got = [(a.kind, a.replica, a.seq_ids) for a in acts]
+    assert got == [("abort", "r1", (7,)), ("abort", "r2", (8,)), ("add", "r0", (5, 7, 8))]

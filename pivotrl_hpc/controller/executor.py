@@ -99,16 +99,31 @@ def plan_actions(plan: ShiftPlan, replicas: Mapping[str, ReplicaInfo],
     return actions, results
 
 
+def net_moves(moves: list[Move]) -> list[Move]:
+    """One move per sequence: its first source to its last destination. Algorithm 4 may move
+    a sequence twice in one migration (r1 -> r2, later r2 -> r0); sent as they were, with
+    every Abort before every add, the Abort on r2 came before the add there, so the sequence
+    ran on r2 as well, and r2's copy, not the record's, was what the scheduler counted."""
+    first: dict[int, Move] = {}
+    last: dict[int, Move] = {}
+    for m in moves:
+        first.setdefault(m.seq_id, m)
+        last[m.seq_id] = m
+    return [Move(sid, first[sid].src, last[sid].dst) for sid in last
+            if first[sid].src != last[sid].dst]
+
+
 def migration_actions(role: str, result: MigrationResult,
                       replicas: Mapping[str, ReplicaInfo]) -> list[Action]:
-    """Algorithm 4's moves: abort on the source replica, add on the destination."""
+    """Algorithm 4's moves, netted per sequence: abort on the source, add on the destination."""
+    moves = net_moves(result.moves)
     aborts: dict[str, list[int]] = {}
-    for m in result.moves:
+    for m in moves:
         if m.src is not None:
             aborts.setdefault(m.src, []).append(m.seq_id)
     out = [Action(MIGRATE, "abort", role, src, replicas[src].devices, tuple(ids))
            for src, ids in aborts.items() if src in replicas]
-    return out + add_actions(role, result.moves, replicas)
+    return out + add_actions(role, moves, replicas)
 
 
 def add_actions(role: str, moves: list[Move], replicas: Mapping[str, ReplicaInfo]

@@ -38,6 +38,7 @@ class _Group:
     """One logical command sent to several devices; done when all have answered."""
     devices: tuple[int, ...]
     on_done: OnDone | None
+    command: str = ""
     replies: dict[int, Reply] = field(default_factory=dict)
 
 
@@ -57,7 +58,7 @@ class Devices:
     def send(self, devices: Sequence[int], cmd: Command, on_done: OnDone | None = None) -> None:
         """Queue `cmd` on each device; `on_done(replies)` is called once all have replied,
         leader's reply first."""
-        group = _Group(tuple(devices), on_done)
+        group = _Group(tuple(devices), on_done, type(cmd).__name__)
         for d in group.devices:
             self._queues[d].append((group, cmd))
             self._pump(d)
@@ -97,6 +98,15 @@ class Devices:
         for d, handle in self.handles.items():
             self._queues[d].clear()
             handle.submit(cmd)
+
+    def describe(self) -> dict[int, str]:
+        """What each device is doing: the command in flight and how many wait behind it."""
+        out = {}
+        for d in self.handles:
+            g, q = self._inflight[d], self._queues[d]
+            out[d] = (f"{g.command} in flight" if g is not None else "free") + (
+                f", then {', '.join(type(c).__name__ for _, c in q)}" if q else "")
+        return out
 
     def next_reply_time(self) -> float | None:
         times = [t for h in self.handles.values() if (t := h.next_reply_time()) is not None]

@@ -121,6 +121,15 @@ def run_job(cfg: Config, comm, layout, trace_path: str | Path) -> dict[str, Any]
         raise ControllerError(f"{where}: {e}", e.device) from e
 
 
+def _on_usr1(dump) -> None:
+    """`kill -USR1 <rank 0>` logs what the loop waits on (main thread only)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGUSR1, lambda *_: dump())
+
+
 def run_on(cfg: Config, comm, device_ranks: Mapping[int, int], trace_path: str | Path
            ) -> dict[str, Any]:
     from pivotrl_hpc.trace import TraceWriter
@@ -135,6 +144,7 @@ def run_on(cfg: Config, comm, device_ranks: Mapping[int, int], trace_path: str |
     summary: dict[str, Any] | None = None
     try:
         ctl = build_controller(cfg, devices, clock, trace)
+        _on_usr1(lambda: log.warning("controller state:\n%s", ctl.describe()))
         summary = ctl.run()
         summary["controller_peak_rss_mb"] = resource.getrusage(
             resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -281,6 +281,24 @@ class Controller:
             self.report.validation(step, self._eval_correct[step] / len(self.validation))
 
     # --- monitor, waiting, shutdown ----------------------------------------------------
+    def describe(self) -> str:
+        """What the loop waits on (`kill -USR1` of rank 0 logs it): devices, replicas,
+        sequences not finished, training."""
+        lines = [f"step {self.step}/{self.cfg.steps}, published v{self.published}, "
+                 f"training up={self.training.up} active={self.training.active} "
+                 f"shifting={self.training.shifting}, plans in flight "
+                 f"{self.executor.book.in_flight}"]
+        lines += [f"  device {d}: {s}" for d, s in self.devices.describe().items()]
+        for role, flow in self.flows.items():
+            for rid, r in flow.sched.replicas.items():
+                lines.append(f"  {role} {rid}: {sorted(r.seqs)} on devices "
+                             f"{self.executor.book.replicas[rid].devices}")
+            open_recs = [f"{r.sid}@{r.replica}#{r.epoch}:{len(r.generated)}/{r.budget}"
+                         for r in flow.records.values() if not r.finished]
+            lines.append(f"  {role} queue {[q.seq_id for q in flow.sched.queue]}, open "
+                         f"records {open_recs[:40]}")
+        return "\n".join(lines)
+
     def monitor(self) -> None:
         self.report.tick(self.clock.now())
 

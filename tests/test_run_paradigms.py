@@ -1,0 +1,26 @@
+"""The paradigms the other live tests do not run, through `pivotrl run` on the learn-cpu
+layout (1 node x 4 capped devices, TP=1): rr_colocated for 3 steps, the ablations static,
+rule_based and vanilla for 1 step each. (colocated, disaggregated and shiftable run 20
+steps in test_learning.py; shiftable with TP=2 replicas in test_run_live.py.)"""
+from __future__ import annotations
+
+import pytest
+from live_util import check_nothing_lost, run_job
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("paradigm,steps", [("rr_colocated", 3), ("static", 1),
+                                            ("rule_based", 1), ("vanilla", 1)])
+def test_paradigm_completes_its_steps_and_loses_nothing(tiny_models, tmp_path, paradigm,
+                                                        steps):
+    run = run_job("learn-cpu.yaml", tiny_models, tmp_path / f"{paradigm}.h5",
+                  [f"paradigm.name={paradigm}", f"rl.steps={steps}"])
+    s = run["summary"]
+    assert s["paradigm"] == paradigm and s["steps"] == steps
+    assert s["in_flight_at_end"] == 0 and run["left"] == set()
+    shifts = check_nothing_lost(run["trace"], steps, 4 * 4, k=2)["shifts"]
+    assert {"rollout", "reward"} <= set(shifts["role"])
+    if paradigm == "rr_colocated":  # rollout and reward alternate on the same devices
+        pool = {d for r, d in zip(shifts["role"], shifts["devices"]) if r == "reward"}
+        assert pool & {d for r, d in zip(shifts["role"], shifts["devices"]) if r == "rollout"}
