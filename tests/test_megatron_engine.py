@@ -115,6 +115,14 @@ def test_training_steps_lower_the_loss(runs):
         assert m[-1]["mean_ratio"] > 1.0 and m[-1]["clip_fraction"] > 0.0
 
 
+def test_recomputed_old_logprobs_start_a_stale_step_on_policy(runs):
+    for name, r in _all(runs):
+        b, rc = r["stale_behaviour"], r["stale_recompute"]
+        assert b["clip_fraction"] > 0.3 and abs(b["mean_ratio"] - 2.718) < 0.01, (name, b)
+        assert abs(rc["mean_ratio"] - 1.0) < 1e-6 and rc["clip_fraction"] == 0.0, (name, rc)
+        assert abs(rc["behaviour_log_ratio"] - 1.0) < 0.05, (name, rc)
+
+
 def test_tp2_and_dp2_losses_equal_tp1(runs):
     ref = runs["tp1"][0]["metrics"]
     for name in ("tp2", "dp2"):

@@ -64,6 +64,9 @@ class RLConfig:
     learning_rate: float = 1e-5
     clip_low: float = 0.2
     clip_high: float = 0.28      # DAPO clip-higher
+    # The PPO ratio's "old" policy: recompute (the trained policy's logprobs at the step's
+    # start, as veRL; stale samples still teach) or behaviour (the rollout's logprobs)
+    old_logprobs: Literal["recompute", "behaviour"] = "recompute"
     steps: int = 3
     seed: int = 0
     temperature: float = 1.0     # rollout sampling temperature

@@ -135,7 +135,8 @@ def trainer_config(cfg: Any):
                                max_sequence_length=p.max_prompt_len + p.max_response_len),
         optim=OptimConfig(lr=rl.learning_rate),
         grpo=GRPOConfig(clip_low=rl.clip_low, clip_high=rl.clip_high,
-                        temperature=getattr(rl, "temperature", 1.0)),
+                        temperature=getattr(rl, "temperature", 1.0),
+                        old_logprobs=getattr(rl, "old_logprobs", "behaviour")),
         seed=rl.seed)
 
 

@@ -9,6 +9,8 @@ layout.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import os
 import sys
@@ -140,6 +142,18 @@ def export_checks(res: dict, tr: MegatronTrainer, model_dir: Path, tokens: torch
     res["export_slice_names"] = len({n for n, _, _ in slices})
 
 
+def stale_checks(res: dict, tr: MegatronTrainer, batch: RolloutBatch) -> None:
+    """A stale batch (behaviour logprobs 1 nat below the policy's): "behaviour" clips it,
+    "recompute" starts the step on-policy (ratio exactly 1) and reports the gap."""
+    stale = dataclasses.replace(batch, behaviour_logprobs=torch.where(
+        batch.response_mask, tr.compute_logprobs(batch) - 1.0, torch.zeros(())))
+    grpo = tr.cfg.grpo
+    for mode in ("behaviour", "recompute"):
+        tr.cfg = dataclasses.replace(tr.cfg, grpo=dataclasses.replace(grpo, old_logprobs=mode))
+        res[f"stale_{mode}"] = tr.train_step(stale)
+    tr.cfg = dataclasses.replace(tr.cfg, grpo=grpo)
+
+
 def main() -> None:
     model_dir, out_dir, tp = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
     distopt = sys.argv[4:] == ["distopt"]
@@ -168,6 +182,7 @@ def main() -> None:
     res["metrics"] = [tr.train_step(batch) for _ in range(STEPS)]
     shift_checks(res, tr, batch)
     export_checks(res, tr, model_dir, tokens)
+    stale_checks(res, tr, batch)
     res["total_seconds"] = time.perf_counter() - t0
     (out_dir / f"rank{rank}.json").write_text(json.dumps(res, indent=1))
     destroy_model_parallel()

@@ -7,6 +7,8 @@ group see the same rows and compute the same (vocab-parallel) logprobs.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import time
 from dataclasses import dataclass, field
@@ -206,6 +208,12 @@ class MegatronTrainer:
         if normaliser == 0:
             raise ValueError("batch has no response tokens")
         rows = self._dp_rows(batch.num_sequences)
+        gap = None
+        if g.old_logprobs == "recompute":
+            old = self.compute_logprobs(batch) * batch.response_mask
+            gap = float(((old - batch.behaviour_logprobs) * batch.response_mask).sum()
+                        / normaliser)  # mean log(pi_now / pi_behaviour): how stale
+            batch = dataclasses.replace(batch, behaviour_logprobs=old.float())
         self.model.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -232,7 +240,8 @@ class MegatronTrainer:
         return {"loss": totals[0].item(), "clip_fraction": (totals[1] / totals[4]).item(),
                 "mean_ratio": (totals[2] / totals[4]).item(), "kl": (totals[3] / totals[4]).item(),
                 "grad_norm": float(grad_norm), "tokens": int(totals[4].item()),
-                "update_applied": float(bool(success)), "seconds": time.perf_counter() - t0}
+                "update_applied": float(bool(success)), "seconds": time.perf_counter() - t0,
+                **({} if gap is None else {"behaviour_log_ratio": gap})}
 
     def _dp_sum(self, values: torch.Tensor) -> torch.Tensor:
         from megatron.core import parallel_state
