@@ -16,7 +16,7 @@ from live_util import check_nothing_lost, run_job
 pytestmark = pytest.mark.slow
 
 PARADIGMS = ("colocated", "disaggregated", "shiftable")
-STEPS, PER_STEP = 20, 4 * 4
+STEPS, PER_STEP = 20, 8 * 4
 
 
 @pytest.fixture(scope="module")
