@@ -9,7 +9,7 @@ import pytest
 from controller_util import make_controller, split_bootstrap
 from pivotrl_hpc.controller.flow import ControllerError
 from pivotrl_hpc.controller.rl import lag
-from pivotrl_hpc.runtime.messages import Shutdown, Step
+from pivotrl_hpc.runtime.messages import Step
 
 FIXED = ("colocated", "disaggregated", "rr_colocated")
 
