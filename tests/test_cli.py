@@ -210,7 +210,8 @@ def test_bench_e2e_searches_both_static_baselines_and_computes_speedups(tiny_mod
 
     overrides = [f"models.policy.path={tiny_models / 'policy'}",
                  f"models.genrm.path={tiny_models / 'genrm'}",
-                 f"data.train={tiny_models / 'data' / 'train.jsonl'}"]
+                 f"data.train={tiny_models / 'data' / 'train.jsonl'}",
+                 f"data.validation={tiny_models / 'data' / 'validation.jsonl'}"]
     args = argparse.Namespace(config="configs/tiny-cpu.yaml", overrides=overrides,
                               no_search=False, steps=3, repeats=1)
     dis = bench_e2e.candidates(args, "disaggregated")    # pool 4, reward replicas of 2

@@ -7,8 +7,8 @@ rr_colocated (training devices) get their best static split from a small search 
 run per candidate (as the paper tuned its baselines). Prints
 {"<paradigm>": {"tokens_per_s", "steady_tokens_per_s", "seconds", "shifts", "idle_fraction",
  ..., "seconds_went": {...}}, "speedup_vs": {...}, "workload": {...}}; progress on stderr.
-Speed-ups compare `steady_tokens_per_s` (steps 1.., without the one-off engine builds of
-start-up, docs/trace.md); `speedup_vs_incl_startup` compares `tokens_per_s`.
+Speed-ups compare `steady_tokens_per_s` (from the first generated token on, without the
+job's start-up, docs/trace.md); `speedup_vs_incl_startup` compares `tokens_per_s`.
 """
 from __future__ import annotations
 

@@ -33,8 +33,8 @@ from pivotrl_hpc.controller.shifts import Executor, TrainingUnit
 from pivotrl_hpc.engines.vllm.types import Sampling
 from pivotrl_hpc.plan.snapshot import GEN_ROLES, WorkloadSnapshot
 from pivotrl_hpc.plan.types import AllocationPolicy, ShiftPlan
-from pivotrl_hpc.runtime.messages import (QueryState, Reload, Reply, Shutdown, Step,
-                                          TrainBatch, TrainStep, WaitWrite)
+from pivotrl_hpc.runtime.messages import (QueryState, Reply, Shutdown, Step, TrainBatch,
+                                          TrainStep, WaitWrite)
 from pivotrl_hpc.sched.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
@@ -248,21 +248,14 @@ class Controller:
 
     def _published(self, replies: list[Reply]) -> None:
         check_replies(replies)
-        self.published = int(replies[0].result)
+        self.published = self.executor.published = int(replies[0].result)
         self.training.active = False
         self._events = True
         for rid, info in self.executor.book.replicas.items():
             if info.role == "rollout":
-                self.devices.send(info.devices, Reload(self.published), self._reloaded(rid))
+                self.executor.reload(rid)
         if self.cfg.eval_every and self.step % self.cfg.eval_every == 0 and self.validation:
             self._start_eval(self.step)
-
-    def _reloaded(self, rid: str):
-        def done(replies: list[Reply]) -> None:
-            check_replies(replies)
-            if rid in self.flows["rollout"].versions:
-                self.flows["rollout"].versions[rid] = replies[0].result["version"]
-        return done
 
     # --- validation --------------------------------------------------------------------
     def _start_eval(self, step: int) -> None:

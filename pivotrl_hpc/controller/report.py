@@ -39,6 +39,7 @@ class Reporter:
         self.validations: list[dict[str, Any]] = []
         self.max_lag = 0
         self.trained_tokens = 0
+        self.first_token_t: float | None = None   # the first generated token: start-up over
 
     # --- rows --------------------------------------------------------------------------
     def sequence(self, event: str, rec, replica: str) -> None:
@@ -49,6 +50,8 @@ class Reporter:
 
     def tokens(self, role: str, n: int) -> None:
         self._window[role] += n
+        if n and self.first_token_t is None:
+            self.first_token_t = self.ctl.clock.now()
 
     def fit(self, role: str, fit) -> None:
         if fit is None:
@@ -157,12 +160,13 @@ class Reporter:
         }
 
     def steady_tokens_per_s(self) -> float | None:
-        """Steps 1.. only: their tokens over the seconds from step 0's end to the last
-        step's end, so one-off start-up (the first engine builds) does not count."""
-        if len(self.steps) < 2:
+        """The same tokens over the seconds from the first generated token to the last
+        step's end: the job's start-up (processes, GPS, the first engine build) does not
+        count; every later shift, first builds of other roles included, does."""
+        if not self.steps or self.first_token_t is None:
             return None
-        seconds = self.steps[-1]["t"] - self.steps[0]["t"]
-        return sum(s["tokens"] for s in self.steps[1:]) / seconds if seconds > 0 else None
+        seconds = self.steps[-1]["t"] - self.first_token_t
+        return self.trained_tokens / seconds if seconds > 0 else None
 
     def idle_fraction(self, end: float) -> float | None:
         work = self.ctl.devices.work_s
@@ -175,7 +179,7 @@ def format_summary(s: dict[str, Any]) -> str:
     """The end-of-run summary for a person (the JSON next to the trace has it all)."""
     lines = [f"{s['paradigm']}: {s['steps']} steps in {s['seconds']:.1f} s, "
              f"end-to-end {s['tokens_per_s']:.1f} tokens/s ({s['trained_tokens']} tokens trained)"
-             + (f", {s['steady_tokens_per_s']:.1f} tokens/s after step 0"
+             + (f", {s['steady_tokens_per_s']:.1f} tokens/s after start-up"
                 if s.get("steady_tokens_per_s") else ""),
              "  per role tokens/s: " + ", ".join(f"{r} {v:.1f}" for r, v in
                                                 s["role_tokens_per_s"].items()),
