@@ -103,6 +103,13 @@ def test_batch_must_split_over_training_dp(tiny_config):
     load_config(tiny_config, ["paradigm.name=colocated", "rl.batch_size=2"])   # 8 rows: fine
 
 
+def test_disaggregated_split_must_fit_beside_training(tiny_config):
+    # tiny-cpu: 8 devices, training on 4; its shiftable bootstrap 4 + 2 does not fit the pool
+    e = error(tiny_config, ["paradigm.name=disaggregated"])
+    assert e.key == "paradigm.initial_rollout_devices" and "fit the other 4" in str(e)
+    load_config(tiny_config, ["paradigm.name=disaggregated", "paradigm.initial_rollout_devices=2"])
+
+
 def test_lengths_over_context(tiny_config):
     e = error(tiny_config, ["models.policy.max_response_len=4000"])
     assert e.key == "models.policy.max_response_len" and "2048" in str(e)

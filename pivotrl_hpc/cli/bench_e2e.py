@@ -77,9 +77,11 @@ def steady(summary: dict) -> float:
 
 
 def best_split(args, paradigm: str) -> list[str]:
-    options = [] if args.no_search else candidates(args, paradigm)
-    if len(options) < 2:  # nothing to choose between: the config's split (or the only one)
-        return options[0] if options else []
+    options = candidates(args, paradigm)
+    if args.no_search or len(options) < 2:
+        # the config's split; disaggregated takes the middle candidate (the config's
+        # initial_* are the other paradigms' bootstrap and need not fit its pool)
+        return options[len(options) // 2] if options and paradigm == "disaggregated" else []
     best, best_tps = [], -1.0
     for extra in options:
         tag = "search-" + "-".join(x.rsplit("=", 1)[1] for x in extra)

@@ -73,6 +73,12 @@ def _training(cfg: Config) -> None:
         raise ConfigError("paradigm.rule_low_kv", "need 0 <= rule_low_kv < rule_high_kv <= 1, "
                           f"got {cfg.paradigm.rule_low_kv} and {cfg.paradigm.rule_high_kv}")
     fixed = cfg.paradigm.initial_rollout_devices + cfg.paradigm.initial_reward_devices
+    pool = cfg.total_devices - r.train_devices
+    if cfg.paradigm.name == "disaggregated" and fixed > pool:
+        raise ConfigError("paradigm.initial_rollout_devices",
+                          f"disaggregated keeps training on its own {r.train_devices} devices; "
+                          f"its rollout + reward split ({cfg.paradigm.initial_rollout_devices}"
+                          f" + {cfg.paradigm.initial_reward_devices}) must fit the other {pool}")
     if fixed > cfg.total_devices:
         raise ConfigError("paradigm.initial_rollout_devices",
                           f"initial rollout + reward devices ({fixed}) exceed the cluster "
