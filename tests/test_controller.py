@@ -176,10 +176,9 @@ def test_tp2_replicas_under_kv_pressure_resume_exactly():
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("paradigm", ["colocated", "shiftable", "rule_based"])
 def test_a_finish_reported_a_step_late_is_not_lost_to_a_migration(paradigm):
-    """Seen live (colocated, reward shifting up on 4 devices): the engine reported a
-    sequence's finish one Step after its last token, a shift-up migration moved the complete
-    sequence in between, and no engine ever finished it: the job hung. The record reaching
-    its budget is the finish now."""
+    """Modeled engines that report a finish one Step after the last token (a named Abort
+    in between drops it): a shift-up migration in that window must not lose the sequence.
+    The record reaching its budget is the finish."""
     ctl, _, summary = run(paradigm, late_finish=True)
     assert summary["steps"] == 3 and summary["in_flight_at_end"] == 0
     samples = [s for s in ctl.book.samples.values() if s.batch >= 0]

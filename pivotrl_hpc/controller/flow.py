@@ -8,11 +8,12 @@ moved elsewhere resumes from the record, and progress from an earlier placement 
 finishes exactly once and its final tokens equal the record (checked against the engine's
 own account on every finish).
 
-A record whose tokens reach its budget is finished from the record at once. Seen live: the
-engine's finish of a sequence can come a Step after its last token; a migration in between
-(ShiftUpMigration) then moved a complete sequence, which no engine would ever finish, and
-the job hung. And a replica that returns no token for a placed sequence over `STALL_STEPS`
-Steps has lost it: the run stops, naming both, instead of waiting forever.
+A record whose tokens reach its budget is finished from the record at once: were the
+engine's finish to come a Step later, a migration in between would move a complete
+sequence that no engine finishes (vLLM refuses a zero budget). And a replica that returns
+no token for a placed sequence over `STALL_STEPS` Steps has lost it: the run stops, naming
+both, instead of waiting forever (a live colocated job hung so, before the executor netted
+Algorithm 4's chained moves: `executor.net_moves`).
 """
 from __future__ import annotations
 

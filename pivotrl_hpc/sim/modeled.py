@@ -73,9 +73,13 @@ class ModeledWorker:
                                    error="injected failure",
                                    seq_ids=tuple(sorted(self.seqs))), 0.0
         else:
-            result, seconds = self._run(cmd)
-            reply = Reply(type(cmd).__name__, True, self.role, self.device, result=result,
-                          phases={"total": seconds})
+            try:
+                result, seconds = self._run(cmd)
+                reply = Reply(type(cmd).__name__, True, self.role, self.device, result=result,
+                              phases={"total": seconds})
+            except ValueError as e:  # what the real engine refuses, it refuses here too
+                reply, seconds = Reply(type(cmd).__name__, False, self.role, self.device,
+                                       error=f"ValueError: {e}"), 0.0
         self._free_at = start + seconds
         self._due.append((self._free_at, reply))
 
@@ -101,6 +105,8 @@ class ModeledWorker:
             return back, self.shift_down_s[role]
         if isinstance(cmd, AddSequences):
             for s in cmd.seqs:
+                if s.max_new_tokens < 1:  # as VLLMEngine.add
+                    raise ValueError(f"sequence {s.seq_id!r}: no tokens left to generate")
                 self.seqs[s.seq_id] = _Seq(list(s.prompt_ids), list(s.generated_ids),
                                            list(s.generated_logprobs), s.max_new_tokens,
                                            s.sampling)
