@@ -73,7 +73,6 @@ class Controller:
                                  self.trace, clock.now, self._event)
         self.report = Reporter(self, self.trace)
         self.step = 0                       # next step to train
-        self.published = 0                  # policy version every node holds
         self._plan_at = 0.0
         self._events = True
         self._bootstrap = bootstrap
@@ -103,6 +102,11 @@ class Controller:
             self.trace.flush()  # readable whatever happens next (a dead worker gets us killed)
             # A failed run waits only briefly for answers: a dead worker never replies.
             self.shutdown(60.0 if ok else 5.0)
+
+    @property
+    def published(self) -> int:
+        """The policy version every node holds (the executor reloads rollout to it)."""
+        return self.executor.published
 
     def done(self) -> bool:
         return (self.step >= self.cfg.steps and not self.training.active
@@ -248,7 +252,7 @@ class Controller:
 
     def _published(self, replies: list[Reply]) -> None:
         check_replies(replies)
-        self.published = self.executor.published = int(replies[0].result)
+        self.executor.published = int(replies[0].result)
         self.training.active = False
         self._events = True
         for rid, info in self.executor.book.replicas.items():
@@ -319,9 +323,13 @@ class Controller:
         deadline = self.clock.now() + timeout_s
         while left and self.clock.now() < deadline:
             self.devices.collect()
-            nxt = self.devices.next_reply_time()
-            self.clock.wait_until(nxt if nxt is not None else self.clock.now() + 0.01)
+            self._nap()
         return got
+
+    def _nap(self) -> None:
+        """Wait for the next reply (simulation) or a moment (live) after the run's end."""
+        nxt = self.devices.next_reply_time()
+        self.clock.wait_until(nxt if nxt is not None else self.clock.now() + 0.01)
 
     def shutdown(self, timeout_s: float = 60.0) -> None:
         """Every worker gets Shutdown on every exit path. Replies still in flight are
@@ -336,8 +344,7 @@ class Controller:
                 for d in list(left):
                     if any(r.command == "Shutdown" for r in self.devices.handles[d].poll()):
                         left.discard(d)
-                nxt = self.devices.next_reply_time()
-                self.clock.wait_until(nxt if nxt is not None else self.clock.now() + 0.01)
+                self._nap()
             if left:
                 log.error("devices %s did not answer Shutdown within %.0f s", sorted(left),
                           timeout_s)

@@ -138,11 +138,8 @@ class ModeledWorker:
         progress, finished = [], []
         for sid, s in list(self.seqs.items()):
             if s.remaining <= 0:  # late_finish: reported by the Step after its last token
-                if not first:
-                    continue
-                finished.append(FinishedSequence(sid, s.prompt, list(s.generated),
-                                                 list(s.logprobs), "length"))
-                del self.seqs[sid]
+                if first:
+                    finished.append(self._finished(sid))
                 continue
             tok = token_at(sid, len(s.generated), self.vocab)
             s.generated.append(tok)
@@ -150,10 +147,12 @@ class ModeledWorker:
             s.remaining -= 1
             progress.append(SeqProgress(sid, [tok], [-1.0]))
             if s.remaining <= 0 and not self.late_finish:
-                finished.append(FinishedSequence(sid, s.prompt, list(s.generated),
-                                                 list(s.logprobs), "length"))
-                del self.seqs[sid]
+                finished.append(self._finished(sid))
         return StepOutput(progress, finished, seconds)
+
+    def _finished(self, sid: str) -> FinishedSequence:
+        s = self.seqs.pop(sid)
+        return FinishedSequence(sid, s.prompt, list(s.generated), list(s.logprobs), "length")
 
     def _abort(self, ids) -> list[AbortedSequence]:
         ids = list(self.seqs) if ids is None else [i for i in ids if i in self.seqs]

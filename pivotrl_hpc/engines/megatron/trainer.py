@@ -7,11 +7,9 @@ group see the same rows and compute the same (vocab-parallel) logprobs.
 """
 from __future__ import annotations
 
-import dataclasses
-
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Mapping
 
@@ -213,7 +211,7 @@ class MegatronTrainer:
             old = self.compute_logprobs(batch) * batch.response_mask
             gap = float(((old - batch.behaviour_logprobs) * batch.response_mask).sum()
                         / normaliser)  # mean log(pi_now / pi_behaviour): how stale
-            batch = dataclasses.replace(batch, behaviour_logprobs=old.float())
+            batch = replace(batch, behaviour_logprobs=old.float())
         self.model.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
