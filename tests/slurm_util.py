@@ -138,3 +138,34 @@ def json_lines(text: str) -> list[dict]:
         if line.startswith("{"):
             out.append(json.loads(line))
     return out
+
+
+# ---- the RL job under Slurm (slurm/pivot.sbatch) ------------------------------------------------
+PIVOT_SBATCH = str(ROOT / "slurm" / "pivot.sbatch")
+
+
+def submit_pivot(cluster: SlurmCluster, folder: Path, sbatch_args, config: str,
+                 overrides, **env: str) -> str:
+    """sbatch slurm/pivot.sbatch from `folder` (the submit dir: runs/ and job.out go there)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    job_env = {**cluster.env, "PIVOTRL_PYTHON": str(PYTHON), **env}
+    return cluster.sbatch(*sbatch_args, "-o", str(folder / "job.out"), PIVOT_SBATCH, config,
+                          *overrides, cwd=folder, env=job_env)
+
+
+def sacct_states(cluster: SlurmCluster, job: str, want: str | None = None) -> dict[str, str]:
+    """JobID -> State of the job and its steps (accounting trails the job by a moment: wait
+    until the job's state starts with `want`)."""
+    rows: dict[str, str] = {}
+    for _ in range(50):
+        out = cluster.run("sacct", "-n", "-P", "-o", "JobID,State", "-j", job).stdout
+        rows = dict(line.split("|", 1) for line in out.splitlines() if "|" in line)
+        if want is None or rows.get(job, "").startswith(want):
+            break
+        time.sleep(0.2)
+    return rows
+
+
+def job_segments(job: str) -> list[str]:
+    """The job's GPS segments in /dev/shm (named pivotrl-<job id>-<node>-...)."""
+    return sorted(p.name for p in Path("/dev/shm").glob(f"pivotrl-{job}-*"))

@@ -17,6 +17,8 @@ PAPER_CONFIG = "configs/qwen2.5-7b_qwen3-30b-a3b.yaml"
 # landed command (and sub-command) -> what its --help must offer
 HELP = {
     ("run",): ["config", "overrides", "--dry-run"],
+    ("submit",): ["config", "overrides", "--nodes", "--gpus-per-node", "--partition", "--time",
+                  "--account", "--runs-root", "--wait"],
     ("plan",): ["snapshot", "--json", "--policy", "--horizon", "--tau-shift", "--workers"],
     ("bench",): ["planner", "dispatch", "gps", "shift", "e2e"],
     ("bench", "planner"): ["--gpus", "--repeats", "--training", "--workers", "--json"],

@@ -332,11 +332,11 @@ def test_stray_sigterm_to_a_blocked_worker_ends_the_job_after_grace(tiny_models,
 
 def test_diagnose_names_rank_from_mpirun_messages(tmp_path):
     from pivotrl_hpc.launch.layout import RunPaths
-    from pivotrl_hpc.launch.local import LocalRun, diagnose
+    from pivotrl_hpc.launch.local import PreparedRun, diagnose
 
     paths = RunPaths(tmp_path / "t.h5")
     paths.logs.mkdir()
-    run = LocalRun(RankLayout(2, 2, ("n0", "n1")), paths, "j", {}, [], {})
+    run = PreparedRun(RankLayout(2, 2, ("n0", "n1")), paths, "j", {}, [], {})
     paths.rank_log(2).write_text("x r2 n0 worker d1 vm INFO pivotrl_hpc.launch: role reward "
                                  "(replica 1)\nx r2 n0 worker d1 vm ERROR m: out of memory\n")
     died = "mpirun noticed that process rank 2 with PID 0 on node vm exited on signal 9 (Killed)."

@@ -1,24 +1,22 @@
-"""The local two-node Slurm cluster: shape, GPU GRES, accounting, submitit, slurm/pivot.sbatch."""
+"""The local two-node Slurm cluster: shape, GPU GRES, accounting, submitit (the RL job under
+Slurm is in test_slurm_job.py)."""
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import time
 
 import pytest
 
-from slurm_util import CLUSTER_SH, PROGRAMS, PYTHON, ROOT, json_lines, wait_job
+from slurm_util import CLUSTER_SH, PROGRAMS, wait_job
 
 pytestmark = pytest.mark.slurm
-PIVOT_SBATCH = str(ROOT / "slurm" / "pivot.sbatch")
-CONFIG = str(ROOT / "configs" / "tiny-cpu.yaml")
 
 
 def test_cluster_shape(slurm_cluster):
     out = slurm_cluster.run("sinfo", "-h", "-N", "-o", "%N %c %G %t").stdout.split("\n")
     rows = sorted(line.split() for line in out if line.strip())
-    assert [(r[0], r[1], r[2]) for r in rows] == [("n1", "4", "gpu:8"), ("n2", "4", "gpu:8")]
+    assert [(r[0], r[1], r[2]) for r in rows] == [("n1", "16", "gpu:8"), ("n2", "16", "gpu:8")]
     # responding and usable (other sessions' jobs may keep a node mix/alloc/completing)
     assert all(r[3] in ("idle", "mix", "alloc", "comp") for r in rows), rows
 
@@ -124,50 +122,3 @@ def test_submitit_two_nodes_two_tasks(slurm_cluster, tmp_path, monkeypatch):
     assert [r["value"] for r in results] == [10, 20, 30, 40]
     assert [(r["node"], r["local_rank"]) for r in results] == [("n1", 0), ("n1", 1), ("n2", 0), ("n2", 1)]
     assert {r["num_tasks"] for r in results} == {4}
-
-
-def _pivot(slurm_cluster, tmp_path, *sbatch_args, config=CONFIG, extra_env=None):
-    out = tmp_path / "pivot.out"
-    env = {**slurm_cluster.env, "PIVOTRL_PYTHON": str(PYTHON), **(extra_env or {})}
-    args = [*sbatch_args, "--time=1", "-o", str(out), PIVOT_SBATCH] + ([config] if config else [])
-    job = slurm_cluster.sbatch(*args, cwd=tmp_path, env=env)
-    return wait_job(slurm_cluster, job, out)
-
-
-def test_pivot_sbatch_refuses_job_without_gpus(slurm_cluster, tmp_path):
-    res = _pivot(slurm_cluster, tmp_path)
-    assert res.state == "FAILED" and res.exit_code == 2, res
-    assert "pivot.sbatch: error: no GPUs allocated on n" in res.output
-    assert "--gres=gpu:G" in res.output
-
-
-def test_pivot_sbatch_refuses_uneven_gpus_and_missing_config(slurm_cluster, tmp_path):
-    res = _pivot(slurm_cluster, tmp_path, "-N2", "--gpus=3")  # 3 GPUs cannot split evenly on 2 nodes
-    assert res.exit_code == 2 and "GPUs are split unevenly across nodes" in res.output, res
-    res = _pivot(slurm_cluster, tmp_path, "--gres=gpu:1", config="no-such.yaml")
-    assert res.exit_code == 2 and "config file 'no-such.yaml' not found" in res.output, res
-
-
-def test_pivot_sbatch_layout_g_plus_one_ranks_per_node(slurm_cluster, tmp_path):
-    # the launch entry point is swapped for the MPI probe: same srun, same world
-    env = {"PIVOTRL_ENTRY": "mpi_report", "PYTHONPATH": str(PROGRAMS)}
-    res = _pivot(slurm_cluster, tmp_path, "-N2", "--gres=gpu:2", extra_env=env)
-    assert (res.state, res.exit_code) == ("COMPLETED", 0), res
-    reports = json_lines(res.output)
-    out = res.output
-    assert sorted(r["rank"] for r in reports) == list(range(6)), out  # 2 nodes x (2 workers + 1 agent)
-    assert {r["sum"] for r in reports} == {15}, out
-    assert {r["argv"][0] for r in reports} == {CONFIG}, out
-    for node, first in (("n1", 0), ("n2", 3)):
-        mine = sorted((r for r in reports if r["node"] == node), key=lambda r: r["rank"])
-        assert [r["slurm_localid"] for r in mine] == ["0", "1", "2"], out  # local rank 0 = node agent
-        assert mine[0]["rank"] == first and mine[0]["shared_group"] == [first, first + 1, first + 2], out
-        assert all(len(r["cuda_visible_devices"].split(",")) == 2 for r in mine), out
-
-
-@pytest.mark.skipif(importlib.util.find_spec("pivotrl_hpc.launch.slurm_entry") is not None,
-                    reason="slurm_entry exists; the launch tests cover it")
-def test_pivot_sbatch_says_entry_module_missing(slurm_cluster, tmp_path):
-    res = _pivot(slurm_cluster, tmp_path, "--gres=gpu:1")
-    assert res.exit_code == 2, res
-    assert "module pivotrl_hpc.launch.slurm_entry is not importable" in res.output

@@ -173,7 +173,7 @@ def test_one_controller_loop_drives_two_workers_over_mpi(tiny_models, tmp_path):
     assert all(len(t) == 8 for t in r["finished"].values())
     # while training stepped and published, the rollout worker kept serving version 0
     assert r["train"]["ok"] and r["train"]["role"] == "training"
-    assert r["train"]["result"]["gps_version"] == 1 and r["wait_write"]["result"] == 1
+    assert r["train"]["result"]["gps_version"] == 1 and r["wait_write"]["result"]["version"] == 1
     assert list(r["during_training"].values()) == list(r["finished"].values())
     # after a shift the rollout worker Reads the published version: its greedy tokens change
     assert r["up_new"]["ok"] and r["up_new"]["result"] == {"version": 1, "read": 1}

@@ -24,8 +24,7 @@ class Command:
 
 COMMANDS: tuple[Command, ...] = (
     Command("run", "pivotrl_hpc.cli.run", "run an RL job locally (mpirun) or inside an allocation"),
-    Command("submit", "pivotrl_hpc.cli.submit", "submit an RL job to Slurm with submitit",
-            pending="the live end-to-end issue"),
+    Command("submit", "pivotrl_hpc.cli.submit", "submit an RL job to Slurm with submitit"),
     Command("simulate", "pivotrl_hpc.cli.simulate", "discrete-event cluster simulation",
             pending="the cluster simulator issue"),
     Command("report", "pivotrl_hpc.cli.report", "turn an HDF5 trace into figures",

@@ -112,7 +112,7 @@ def run_job(cfg: Config, comm, layout, trace_path: str | Path) -> dict[str, Any]
     RankLayout); returns the summary (the launcher writes it next to the trace)."""
     device_ranks = {d: layout.worker_rank(d) for d in layout.devices}
     try:
-        return run_on(cfg, comm, device_ranks, trace_path)
+        return run_on(cfg, comm, device_ranks, trace_path, layout.placement())
     except ControllerError as e:
         if e.device is None or e.device not in device_ranks:
             raise
@@ -130,8 +130,8 @@ def _on_usr1(dump) -> None:
         signal.signal(signal.SIGUSR1, lambda *_: dump())
 
 
-def run_on(cfg: Config, comm, device_ranks: Mapping[int, int], trace_path: str | Path
-           ) -> dict[str, Any]:
+def run_on(cfg: Config, comm, device_ranks: Mapping[int, int], trace_path: str | Path,
+           placement: list[dict] | None = None) -> dict[str, Any]:
     from pivotrl_hpc.trace import TraceWriter
 
     clock = MonotonicClock()
@@ -139,7 +139,8 @@ def run_on(cfg: Config, comm, device_ranks: Mapping[int, int], trace_path: str |
     devices = Devices([MPIWorkerHandle(comm, rank, d, inbox)
                        for d, rank in sorted(device_ranks.items())], clock.now)
     meta = {"config": to_dict(cfg), "paradigm": cfg.paradigm.name, "host": socket.gethostname(),
-            "device_ranks": {str(d): r for d, r in device_ranks.items()}}
+            "device_ranks": {str(d): r for d, r in device_ranks.items()},
+            "ranks": placement or []}
     trace = TraceWriter(str(trace_path), meta)
     summary: dict[str, Any] | None = None
     try:

@@ -252,7 +252,10 @@ class Controller:
 
     def _published(self, replies: list[Reply]) -> None:
         check_replies(replies)
-        self.executor.published = int(replies[0].result)
+        writer = next((r for r in replies if r.result.get("dp_rank", 0) == 0), replies[0])
+        self.report.replicated(writer.result, getattr(self.devices.handles[writer.device],
+                                                      "rank", -1))
+        self.executor.published = int(writer.result["version"])
         self.training.active = False
         self._events = True
         for rid, info in self.executor.book.replicas.items():

@@ -100,6 +100,17 @@ class Reporter:
         log.info("step %d done: reward %.3f, loss %.4f, lag <= %d, %.1f s", step,
                  row["reward_mean"], row["loss"], row["max_lag"], seconds)
 
+    def replicated(self, result: dict, rank: int) -> None:
+        """A published policy Write: one `write` row (until every node had it) and one
+        `publish` row per node (seconds from the Write's start to its publication there)."""
+        published = {int(n): s for n, s in result.get("published_s", {}).items()}
+        now, version, size = self.ctl.clock.now(), int(result["version"]), result.get("bytes", -1)
+        self.trace.append("gps", t=now, op="write", model="policy", version=version, rank=rank,
+                          bytes=size, seconds=max(published.values(), default=math.nan))
+        for node, seconds in sorted(published.items()):
+            self.trace.append("gps", t=now, op="publish", model="policy", version=version,
+                              rank=rank, node=node, bytes=size, seconds=seconds)
+
     def validation(self, step: int, accuracy: float) -> None:
         self.validations.append({"step": step, "accuracy": accuracy, "t": self.ctl.clock.now()})
         self.trace.append("events", t=self.ctl.clock.now(), kind="info",

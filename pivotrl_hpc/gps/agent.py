@@ -30,6 +30,7 @@ import select
 import signal
 import socket
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -69,9 +70,15 @@ class _Write:
     version: int
     holders: dict[int, list[Range]] = field(default_factory=dict)
     fetches: list[Pending] | None = None
-    published: set[int] = field(default_factory=set)
+    # node index -> seconds from this agent's first sight of the Write to its publication
+    published: dict[int, float] = field(default_factory=dict)
     waiters: list[socket.socket] = field(default_factory=list)
     deferred: bool = False
+    t0: float = field(default_factory=time.monotonic)
+
+
+def _data_len(store: ModelStore) -> int:
+    return store.header.total_bytes - store.header.data_start
 
 
 class NodeAgent:
@@ -273,7 +280,8 @@ class NodeAgent:
             got = [tuple(r) for r in msg["ranges"]]
             w.holders[src] = merge_ranges(w.holders.get(src, []) + got)
         elif op == "published":
-            self._write_for(msg["model"], msg["version"]).published.add(src)
+            w = self._write_for(msg["model"], msg["version"])
+            w.published[src] = time.monotonic() - w.t0
         elif op == "mpi_get":
             self.transport.serve(src, msg)
         elif op == "bye":
@@ -309,15 +317,17 @@ class NodeAgent:
             if w.fetches is not None and self.index not in w.published \
                     and all(p.done() for p in w.fetches) and self._room(store, w):
                 store.publish(self.ctl, w.version)
-                w.published.add(self.index)
+                w.published[self.index] = time.monotonic() - w.t0
                 if self.comm is not None:
                     self._broadcast({"op": "published", "model": w.model, "version": w.version})
                 log.info("GPS %s v%d published on %s", w.model, w.version, self.cfg.node)
             if len(w.published) == self.n_nodes:
                 store.drop_unowned(w.version)
+                done = {"op": "replicated", "model": w.model, "version": w.version,
+                        "bytes": _data_len(store),
+                        "published_s": {str(n): s for n, s in sorted(w.published.items())}}
                 for conn in w.waiters:
-                    self._reply(conn, {"op": "replicated", "model": w.model,
-                                       "version": w.version})
+                    self._reply(conn, done)
                 del self.writes[key]
 
     def _room(self, store: ModelStore, w: _Write) -> bool:
@@ -331,8 +341,7 @@ class NodeAgent:
         return False
 
     def _covered(self, w: _Write) -> bool:
-        data_len = self.stores[w.model].header.total_bytes - \
-            self.stores[w.model].header.data_start
+        data_len = _data_len(self.stores[w.model])
         union = merge_ranges([r for rs in w.holders.values() for r in rs])
         return union == [(0, data_len)]
 

@@ -81,6 +81,14 @@ class WriteHandle:
             self._done = True
         return self.version
 
+    def replication(self) -> dict:
+        """After `wait`: the data bytes of the version and, per node index, the seconds from
+        the Write's start to its publication there (the writer's agent's clock)."""
+        if self.client is None:
+            return {}
+        notice = self.client._notices.get((self.model, self.version), {})
+        return {"bytes": notice.get("bytes", 0), "published_s": notice.get("published_s", {})}
+
 
 @dataclass
 class FollowWrite:
@@ -114,7 +122,7 @@ class GPSClient:
                 time.sleep(0.05)
         self._sock: socket.socket | None = None
         self._buf = b""
-        self._notices: set[tuple[str, int]] = set()
+        self._notices: dict[tuple[str, int], dict] = {}   # (model, version) -> replicated
         self._headers: dict[str, tuple[Header, ModelShape]] = {}
         self._node_index: int | None = None
         self._maps: dict[tuple[str, int, int], Segment] = {}
@@ -330,7 +338,7 @@ class GPSClient:
         while True:
             reply = self._recv_msg(None)
             if reply["op"] == "replicated":
-                self._notices.add((reply["model"], reply["version"]))
+                self._notices[reply["model"], reply["version"]] = reply
             elif reply["op"] == "error":
                 raise RuntimeError(f"GPS agent: {reply['error']}")
             elif reply["op"] == expect:
@@ -346,7 +354,7 @@ class GPSClient:
                     return False
                 continue
             if reply["op"] == "replicated":
-                self._notices.add((reply["model"], reply["version"]))
+                self._notices[reply["model"], reply["version"]] = reply
         return True  # notices stay: several handles of one client may share a version
 
     def _ping(self) -> dict:

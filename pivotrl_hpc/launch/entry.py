@@ -38,6 +38,7 @@ import sys
 import threading
 import traceback
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from pivotrl_hpc.launch import cgroup
@@ -157,6 +158,8 @@ class Rank:
         self.paths.rank_pid(self.info.rank).write_text(f"{os.getpid()} {host_name()}\n")
         check_placement(self.layout, self.info.rank, os.environ)
         ports = self.world.bcast(port_base(self.job, os.environ), root=CONTROLLER_RANK)
+        hosts = self.world.allgather(os.environ.get("SLURMD_NODENAME") or host_name())
+        self.layout = replace(self.layout, hosts=tuple(hosts))
         node_comm = self.world.Split(self.info.node, self.info.rank)
         agents = self.world.Split(0 if self.info.kind == AGENT else MPI.UNDEFINED, self.info.rank)
         if self.info.kind == AGENT:

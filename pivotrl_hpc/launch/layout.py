@@ -18,7 +18,7 @@ import hashlib
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 AGENT, WORKER = "agent", "worker"
@@ -58,6 +58,8 @@ class RankLayout:
     nodes: int
     devices_per_node: int
     node_names: tuple[str, ...]
+    # where each rank really runs (Slurm node or host name), gathered at start-up (entry.py)
+    hosts: tuple[str, ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.devices_per_node < 1:
@@ -135,6 +137,11 @@ class RankLayout:
     def node_devices(self, node: int) -> tuple[int, ...]:
         g = self.devices_per_node
         return tuple(range(node * g, (node + 1) * g))
+
+    def placement(self) -> list[dict]:
+        """Per rank: its role in the layout and the host it runs on (the trace's meta)."""
+        return [{"rank": i.rank, "node": i.node_name, "kind": i.kind, "device": i.device,
+                 "host": self.hosts[i.rank] if self.hosts else None} for i in self.table()]
 
     def describe(self) -> str:
         lines = [f"{self.nodes} nodes x (1 GPS agent + {self.devices_per_node} device workers)"

@@ -39,6 +39,7 @@ from pathlib import Path
 from pivotrl_hpc.config import to_dict
 from pivotrl_hpc.config.validate import check_cpu_shares
 from pivotrl_hpc.launch import cgroup
+from pivotrl_hpc.launch.diagnose import diagnose as diagnose_ranks
 from pivotrl_hpc.config.paradigm import normalize
 from pivotrl_hpc.launch.layout import LaunchError, RankLayout, RunPaths, job_ports
 
@@ -52,7 +53,9 @@ _RANK_LINE = re.compile(r" r(\d+) \S+ (agent|worker)")
 
 
 @dataclass(frozen=True)
-class LocalRun:
+class PreparedRun:
+    """A job checked and ready to start: its layout, run files, env and launcher command
+    (mpirun here; srun in slurm.py)."""
     layout: RankLayout
     paths: RunPaths
     job: str
@@ -67,7 +70,7 @@ class LocalRun:
 
 
 def prepare(cfg, *, cpu_cap: bool = True, cores: int | None = None,
-            job: str | None = None) -> LocalRun:
+            job: str | None = None) -> PreparedRun:
     """Every check that needs no process; raises ConfigError / LaunchError / CgroupError.
     The paradigm's implications (colocated: training on every device, staleness 0) are
     applied here, so the ranks read one resolved config."""
@@ -93,7 +96,7 @@ def prepare(cfg, *, cpu_cap: bool = True, cores: int | None = None,
     config["trace"]["path"] = str(Path(cfg.trace.path).resolve())
     paths = RunPaths(Path(config["trace"]["path"]))
     command = mpirun_command(mpirun, layout, paths.config_json, sorted(env))
-    return LocalRun(layout, paths, job, env, command, config, warning)
+    return PreparedRun(layout, paths, job, env, command, config, warning)
 
 
 def mpirun_command(mpirun: str, layout: RankLayout, config_json: Path,
@@ -125,7 +128,7 @@ def _port_free(port: int) -> bool:
 
 
 # ---- run ---------------------------------------------------------------------------
-def write_files(run: LocalRun) -> None:
+def write_files(run: PreparedRun) -> None:
     """The resolved config and an empty run folder (files of an earlier run removed)."""
     run.paths.logs.mkdir(parents=True, exist_ok=True)
     for old in [*run.paths.logs.glob("rank-*"), run.paths.logs / "mpirun.log",
@@ -134,7 +137,7 @@ def write_files(run: LocalRun) -> None:
     run.paths.config_json.write_text(json.dumps(run.config, indent=1) + "\n")
 
 
-def launch(run: LocalRun, *, grace_s: float = 30.0) -> int:
+def launch(run: PreparedRun, *, grace_s: float = 30.0) -> int:
     """Run the job; return 0, 128+signal when stopped by a signal, 1 when it failed."""
     write_files(run)
     log.info("run %s: %d ranks, logs in %s", run.job, run.layout.world_size, run.paths.logs)
@@ -153,7 +156,7 @@ def launch(run: LocalRun, *, grace_s: float = 30.0) -> int:
         forwarder.uninstall()
         raise
     forwarder.started(proc)
-    stderr = _StderrReader(proc, log_path)
+    stderr = StderrFollower(proc, log_path)
     try:
         while proc.poll() is None:
             time.sleep(0.1)
@@ -180,7 +183,7 @@ def _with_launcher_pid(command: list[str]) -> list[str]:
     return [*command[:i], "-x", "PIVOTRL_LAUNCHER_PID", *command[i:]]
 
 
-class _StderrReader:
+class StderrFollower:
     """Follows mpirun.log (mpirun's stderr) while mpirun runs; echoes rank lines (errors,
     tagged with the rank) live."""
 
@@ -212,7 +215,7 @@ class _StderrReader:
 
 
 class SignalForwarder:
-    def __init__(self, run: LocalRun, grace_s: float):
+    def __init__(self, run: PreparedRun, grace_s: float):
         self.run, self.grace_s = run, grace_s
         self.proc: subprocess.Popen | None = None
         self.signum: int | None = None
@@ -272,7 +275,7 @@ def _signal(pid: int, sig: int) -> None:
         pass
 
 
-def rank_pids(run: LocalRun) -> list[int]:
+def rank_pids(run: PreparedRun) -> list[int]:
     """Pids of the job's live ranks (pid files checked against /proc, as pids get reused)."""
     pids = []
     for rank in range(run.layout.world_size):
@@ -286,7 +289,7 @@ def rank_pids(run: LocalRun) -> list[int]:
     return pids
 
 
-def cleanup(run: LocalRun) -> None:
+def cleanup(run: PreparedRun) -> None:
     """Whatever the ranks left (killed ones): segments in /dev/shm, cgroups."""
     removed = sweep_segments(run.job)
     if removed:
@@ -306,59 +309,9 @@ def sweep_segments(job: str) -> list[str]:
 
 
 # ---- diagnosis ---------------------------------------------------------------------------
-_DIED = re.compile(r"process rank (\d+) with PID \d+ on node (\S+) exited on signal (\d+)"
-                   r"(?: \(([^)]*)\))?")
-_ABORT = re.compile(r"MPI_ABORT was invoked on rank (\d+)")
-_EXIT = re.compile(r"Process name: \[\[\d+,\d+\],(\d+)\]\s*\n\s*Exit code:\s*(\d+)")
-
-
-def diagnose(run: LocalRun, mpirun_stderr: str, rc: int) -> str:
+def diagnose(run: PreparedRun, mpirun_stderr: str, rc: int) -> str:
     """One line naming the rank that failed first, its host, role and error."""
-    errors = sorted(run.paths.logs.glob("rank-*.error.json"), key=lambda p: p.stat().st_mtime)
-    if errors:
-        e = json.loads(errors[0].read_text())
-        return _rank_line(run, e["rank"], e["host"], e["error"])
-    m = _DIED.search(mpirun_stderr)
-    if m:
-        name = m.group(4) or signal.Signals(int(m.group(3))).name
-        return _rank_line(run, int(m.group(1)), m.group(2),
-                          f"killed by signal {m.group(3)} ({name})")
-    for pattern, what in ((_ABORT, "called MPI Abort"), (_EXIT, "exited with code {}")):
-        m = pattern.search(mpirun_stderr)
-        if m:
-            return _rank_line(run, int(m.group(1)), None, what.format(*m.groups()[1:]))
-    tail = " | ".join(line.strip() for line in mpirun_stderr.strip().splitlines()[-3:])
-    return f"mpirun exited with code {rc}: {tail or 'no message'} (see {run.paths.logs})"
-
-
-def _rank_line(run: LocalRun, rank: int, host: str | None, error: str) -> str:
-    info = run.layout.info(rank)
-    log_path = run.paths.rank_log(rank)
-    role, last = _from_log(log_path)
-    host = host or _pid_host(run, rank)
-    where = f"{info.describe()}, host {host or '?'}" + (f", role {role}" if role else "")
-    detail = f" (last log line: {last})" if last and last not in error else ""
-    return f"{where} failed: {error}{detail}; log {log_path}"
-
-
-def _from_log(path: Path) -> tuple[str | None, str | None]:
-    """The rank's last role and its last error line, from its log."""
-    try:
-        lines = path.read_text(errors="replace").splitlines()
-    except FileNotFoundError:
-        return None, None
-    role = next((m.group(1) for line in reversed(lines)
-                 for m in [re.search(r" role (\w+) \(replica", line)] if m), None)
-    last = next((line.split(": ", 1)[-1] for line in reversed(lines)
-                 if " ERROR " in line or " CRITICAL " in line), None)
-    return role, last
-
-
-def _pid_host(run: LocalRun, rank: int) -> str | None:
-    try:
-        return run.paths.rank_pid(rank).read_text().split()[1]
-    except (FileNotFoundError, IndexError):
-        return None
+    return diagnose_ranks(run.layout, run.paths, mpirun_stderr, rc, "mpirun")
 
 
 # ---- --np-check -------------------------------------------------------------------------------
@@ -366,7 +319,7 @@ _PROBE = ("import os, json, socket; from mpi4py import MPI; c = MPI.COMM_WORLD; 
           "print(json.dumps([c.Get_rank(), c.Get_size(), socket.gethostname()]), flush=True)")
 
 
-def np_check(run: LocalRun, timeout: float = 120.0) -> tuple[bool, str]:
+def np_check(run: PreparedRun, timeout: float = 120.0) -> tuple[bool, str]:
     """Start the world once with a probe (no job) and check every rank answers."""
     cmd = run.command[:run.command.index(sys.executable)] + [sys.executable, "-c", _PROBE]
     try:

@@ -27,9 +27,11 @@ def main() -> None:
     fd, ppid, name = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     host = _Host()
     _watch_parent(ppid, host)
-    # A terminal's Ctrl-C reaches the whole process group: the worker decides when its
-    # hosts stop (abort, then close), and they follow it when it dies.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # A terminal's Ctrl-C reaches the whole process group, and Slurm's scancel / time limit
+    # signal every process of the step: the worker decides when its hosts stop (abort, then
+    # close), and they follow it when it dies (pipe EOF, parent watch).
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
     logging.basicConfig(level=os.environ.get("PIVOTRL_ENGINE_HOST_LOG", "WARNING"),
                         format=f"%(asctime)s [engine host {name}] %(levelname)s %(name)s: "
                                "%(message)s")

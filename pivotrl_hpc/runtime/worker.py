@@ -336,9 +336,13 @@ class DeviceWorker:
         if self.pending_write is None:
             raise RoleError("no published policy version to wait for")
         t0 = time.perf_counter()
-        version = self.pending_write.wait(cmd.timeout_s)
+        handle = self.pending_write
+        version = handle.wait(cmd.timeout_s)
         self.version, self._trainer_version, self.pending_write = version, version, None
-        return version, {"gps_replicate_wait": time.perf_counter() - t0}
+        # the writer (DP rank 0) reports the replication; the ranks that follow it have none
+        info = handle.replication() if hasattr(handle, "replication") else {}
+        return ({"version": version, "dp_rank": self.spec.training_place.dp_rank, **info},
+                {"gps_replicate_wait": time.perf_counter() - t0})
 
     def _reload(self, cmd: Reload) -> tuple[Any, dict]:
         if self.role != RoleKind.ROLLOUT:

@@ -123,7 +123,7 @@ class ModeledWorker:
             if self.store.pending is not None:
                 self.store.version, self.store.pending = self.store.pending, None
             self.version = self.store.version
-            return self.store.version, 0.0
+            return {"version": self.store.version}, 0.0
         if isinstance(cmd, Reload):
             self.version = cmd.version if cmd.version is not None else self.store.version
             return {"version": self.version}, 0.0

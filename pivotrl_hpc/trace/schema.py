@@ -46,7 +46,7 @@ TABLES: dict[str, dict[str, str]] = {
     },
     "gps": {
         "t": "float", "op": SHORT, "model": NAME, "version": "int", "rank": "int",
-        "bytes": "int", "seconds": "float",
+        "node": "int", "bytes": "int", "seconds": "float",
     },
     "fits": {
         "t": "float", "role": NAME, "A": "float", "B": "float", "C": "float", "D": "float",

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Local two-node Slurm cluster for tests: slurmctld, slurmd n1 + n2 (4 CPUs, 8 fake GPUs each)
+# Local two-node Slurm cluster for tests: slurmctld, slurmd n1 + n2 (16 CPUs, 8 fake GPUs each)
 # and accounting (slurmdbd + a private MariaDB), all on this host, all state under .run/slurm/.
 #
 # usage: slurm/local/cluster.sh start|stop|status|env      (as root; no systemd needed)

@@ -62,7 +62,7 @@ def scenario(w) -> dict:
          "main_from_first_load": equal([p.float() for p in params], mains)}
     batch = on_policy(tr)
     r["steps"] = [ok(w.handle(TrainStep(batch))).result for _ in range(2)]
-    r["version"] = ok(w.handle(WaitWrite())).result
+    r["version"] = ok(w.handle(WaitWrite())).result["version"]
     params, mains = groups(tr)
     r["params_are_rounded_main"] = equal([m.bfloat16() for m in mains], params)
     r["main_finer_than_bf16"] = any(not torch.equal(m, m.bfloat16().float()) for m in mains)

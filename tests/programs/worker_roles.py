@@ -217,7 +217,7 @@ def training(w, report: dict, sampled: dict) -> None:
     report["logprob_max_abs_diff"] = float((mlp - vlp)[batch.response_mask].abs().max())
     step = ok(w.handle(TrainStep(batch)))
     report["train_loss"] = step.result["loss"]
-    report["version_after_step"] = ok(w.handle(WaitWrite())).result
+    report["version_after_step"] = ok(w.handle(WaitWrite())).result["version"]
     published_shift(w, report)
     unpublished_shift(w, report, batch)
     in_flight_shift(w, report, batch)

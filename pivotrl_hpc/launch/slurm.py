@@ -1,0 +1,352 @@
+"""The job inside a Slurm allocation. `slurm/pivot.sbatch` and `pivotrl_hpc.submit` (submitit)
+both run, in the batch step,
+
+    python -m pivotrl_hpc.launch.slurm CONFIG [key=value ...]
+
+which reads the allocation (SLURM_* and `scontrol show job -d`), checks it against the config
+before any rank starts (each refusal says what to change), writes the run folder
+`<runs root>/<job name>-<job id>/` (default root: `runs` in the submit directory, or
+PIVOTRL_RUNS_ROOT) with the resolved config, and starts the world as
+
+    srun --mpi=pmix --nodes=N --ntasks-per-node=G+1 --distribution=block --gres=gpu:G \
+        python -m pivotrl_hpc.launch.entry <run folder>/<name>.config.json
+
+the same ranks and start-up as `pivotrl run` (layout.py, entry.py). scancel, the time limit
+and preemption send SIGTERM to every task: the ranks stop in order (trace closed, segments
+swept by each node's agent) within Slurm's KillWait (30 s by default; the ranks' own
+watchdog is 20 s). Exit: 0 done, 1 a rank failed (named), 2 the allocation or the config
+was refused, 128+signal stopped by a signal.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from pivotrl_hpc.config.paradigm import normalize
+from pivotrl_hpc.config.validate import check_cpu_shares
+from pivotrl_hpc.launch import cgroup
+from pivotrl_hpc.launch.diagnose import diagnose
+from pivotrl_hpc.launch.layout import (LaunchError, RankLayout, RunPaths, expand_hostlist,
+                                       job_ports)
+from pivotrl_hpc.launch.local import (PreparedRun, StderrFollower, free_port_base,
+                                      sweep_segments, write_files)
+
+log = logging.getLogger(__name__)
+
+RUNS_ROOT_ENV = "PIVOTRL_RUNS_ROOT"
+ENTRY_ENV = "PIVOTRL_ENTRY"   # the module every rank runs; tests swap in an MPI probe
+ENTRY = "pivotrl_hpc.launch.entry"
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+class SlurmJobError(RuntimeError):
+    """The job ran and failed; the message names the rank, its host, role and error."""
+
+
+@dataclass(frozen=True)
+class Allocation:
+    job_id: str
+    job_name: str
+    nodes: tuple[str, ...]
+    gpus: tuple[int, ...]      # per node, allocated
+    cpus: tuple[int, ...]      # per node, allocated
+    hosts: int                 # distinct machines behind the nodes (NodeAddr)
+    submit_dir: Path
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> "Allocation":
+        env = os.environ if env is None else env
+        job = env.get("SLURM_JOB_ID")
+        if not job:
+            raise LaunchError("not inside a Slurm job: submit with `sbatch slurm/pivot.sbatch "
+                              "CONFIG` or `pivotrl submit CONFIG`")
+        nodes = tuple(expand_hostlist(env["SLURM_JOB_NODELIST"]))
+        detail = parse_job_detail(_scontrol("show", "job", "-d", job))
+        missing = [n for n in nodes if n not in detail]
+        if missing:
+            raise LaunchError(f"scontrol show job -d {job} lists no allocation for {missing}")
+        return cls(job, env.get("SLURM_JOB_NAME", "pivotrl"), nodes,
+                   tuple(detail[n][1] for n in nodes), tuple(detail[n][0] for n in nodes),
+                   _distinct_hosts(nodes), Path(env.get("SLURM_SUBMIT_DIR", os.getcwd())))
+
+    def folder_name(self) -> str:
+        return re.sub(r"[^A-Za-z0-9_.-]", "_", f"{self.job_name}-{self.job_id}")
+
+
+def _scontrol(*args: str) -> str:
+    p = subprocess.run(["scontrol", *args], capture_output=True, text=True, timeout=60)
+    if p.returncode != 0:
+        raise LaunchError(f"scontrol {' '.join(args)} failed: {p.stderr.strip()}")
+    return p.stdout
+
+
+_DETAIL = re.compile(r"^\s+Nodes=(\S+) CPU_IDs=(\S+)(?:.*\bGRES=(\S+))?", re.M)
+
+
+def parse_job_detail(text: str) -> dict[str, tuple[int, int]]:
+    """`scontrol show job -d` -> node -> (CPUs, GPUs) allocated there, from lines like
+    `Nodes=n[1-2] CPU_IDs=0-3 Mem=0 GRES=gpu:4(IDX:0-3)` (or `gpu:a100:4(...)`)."""
+    out = {}
+    for nodes, cpu_ids, gres in _DETAIL.findall(text):
+        cpus = sum(int(hi or lo) - int(lo) + 1 for lo, hi in
+                   re.findall(r"(\d+)(?:-(\d+))?", cpu_ids))
+        m = re.search(r"gpu(?::[^:(,]+)?:(\d+)", gres or "")
+        for node in expand_hostlist(nodes):
+            out[node] = (cpus, int(m.group(1)) if m else 0)
+    return out
+
+
+def _distinct_hosts(nodes: tuple[str, ...]) -> int:
+    """Machines behind the nodes: the local test cluster runs both of its nodes on one."""
+    text = _scontrol("show", "node", "-o", ",".join(nodes))
+    addrs = set(re.findall(r"\bNodeAddr=(\S+)", text))
+    return max(1, len(addrs))
+
+
+# ---- checks -----------------------------------------------------------------------------------
+def check_allocation(cfg, alloc: Allocation) -> list[str]:
+    """Refuse (LaunchError) an allocation the config cannot run on; return warnings."""
+    c, job = cfg.cluster, alloc.job_id
+    have, need = len(alloc.nodes), c.nodes
+    if have != need:
+        fewer = "only " if have < need else ""
+        raise LaunchError(
+            f"the config needs {need} node(s) (cluster.nodes) but job {job} has {fewer}"
+            f"{have} ({','.join(alloc.nodes)}): submit with -N {need}, or set "
+            f"cluster.nodes={have}")
+    per_node = ", ".join(f"{n}: {g}" for n, g in zip(alloc.nodes, alloc.gpus))
+    if len(set(alloc.gpus)) > 1:
+        raise LaunchError(f"GPUs are split unevenly across nodes ({per_node}); request them "
+                          f"per node with --gres=gpu:{c.devices_per_node} or "
+                          f"--gpus-per-node={c.devices_per_node}, not --gpus=N")
+    gpus = alloc.gpus[0]
+    if gpus == 0:
+        raise LaunchError(f"no GPUs allocated on {alloc.nodes[0]}; submit with "
+                          f"--gres=gpu:{c.devices_per_node} or --gpus-per-node="
+                          f"{c.devices_per_node}")
+    if gpus < c.devices_per_node:
+        raise LaunchError(f"the config needs {c.devices_per_node} GPUs per node "
+                          f"(cluster.devices_per_node) but job {job} has {gpus} on each node: "
+                          f"submit with --gres=gpu:{c.devices_per_node}, or set "
+                          f"cluster.devices_per_node={gpus}")
+    warnings = []
+    if gpus > c.devices_per_node:
+        warnings.append(f"{gpus - c.devices_per_node} of the {gpus} GPUs per node stay idle "
+                        f"(cluster.devices_per_node={c.devices_per_node})")
+    tasks = c.devices_per_node + 1
+    short = [(n, k) for n, k in zip(alloc.nodes, alloc.cpus) if k < tasks]
+    if short:
+        n, k = short[0]
+        raise LaunchError(f"{tasks} tasks per node (1 GPS agent + {c.devices_per_node} device "
+                          f"workers) need {tasks} CPUs but node {n} has {k}: submit with "
+                          f"--cpus-per-gpu=2 (pivot.sbatch's default), --cpus-per-task, "
+                          f"or --exclusive")
+    return warnings
+
+
+def runs_root(env: Mapping[str, str], alloc: Allocation, root: str | Path | None) -> Path:
+    root = Path(root or env.get(RUNS_ROOT_ENV) or "runs")
+    return root if root.is_absolute() else alloc.submit_dir / root
+
+
+def prepare(cfg, alloc: Allocation, *, root: str | Path | None = None,
+            env: Mapping[str, str] | None = None) -> PreparedRun:
+    """Every check that needs no rank (config and allocation, CPU shares, cgroups); the run
+    folder and the srun command. Raises ConfigError / LaunchError / CgroupError."""
+    env = os.environ if env is None else env
+    cfg = normalize(cfg)
+    warnings = check_allocation(cfg, alloc)
+    share = check_cpu_shares(cfg, os.cpu_count() or 1, alloc.hosts)
+    if cgroup.caps_enabled(cfg, env):
+        cgroup.check_writable(alloc.job_id)
+    layout = RankLayout(cfg.cluster.nodes, cfg.cluster.devices_per_node, alloc.nodes)
+    folder = runs_root(env, alloc, root) / alloc.folder_name()
+    from pivotrl_hpc.config import to_dict
+    config = to_dict(cfg)
+    config["trace"]["path"] = str((folder / Path(cfg.trace.path).name).resolve())
+    paths = RunPaths(Path(config["trace"]["path"]))
+    run_env = {"PIVOTRL_PORT_BASE": str(free_port_base(job_ports(len(layout.devices)))),
+               "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1")}
+    cpus = min(alloc.cpus) // layout.ranks_per_node
+    command = srun_command(layout, alloc.gpus[0], cpus, paths.config_json,
+                           entry=env.get(ENTRY_ENV) or ENTRY)
+    warning = "; ".join([*warnings, *([share] if share else [])]) or None
+    return PreparedRun(layout, paths, alloc.job_id, run_env, command, config, warning)
+
+
+def srun_command(layout: RankLayout, gpus: int, cpus_per_task: int, config_json: Path,
+                 python: str | None = None, entry: str = ENTRY) -> list[str]:
+    # --gres explicitly: by default a step gets the job's *requested* GPUs, fewer than
+    # allocated under --exclusive. Every task sees all of its node's; a worker picks its own
+    # by local rank (runtime.spec).
+    return ["srun", "--mpi=pmix", f"--nodes={layout.nodes}", f"--ntasks={layout.world_size}",
+            f"--ntasks-per-node={layout.ranks_per_node}", "--distribution=block",
+            f"--gres=gpu:{gpus}", f"--cpus-per-task={cpus_per_task}", "--kill-on-bad-exit=1",
+            python or sys.executable, "-m", entry, str(config_json)]
+
+
+# ---- run --------------------------------------------------------------------------------------
+@dataclass
+class Outcome:
+    code: int                  # 0 done, 1 failed, 128+signal stopped
+    message: str
+    paths: RunPaths
+    summary: dict | None = None
+
+
+class _Stop:
+    """The batch step's stop signal: remembered, passed on to srun once (srun forwards it to
+    every task; tasks that also got it from Slurm count it once)."""
+
+    def __init__(self):
+        self.signum: int | None = None
+        self.proc: subprocess.Popen | None = None
+        self._old = {}
+
+    def __enter__(self) -> "_Stop":
+        for sig in STOP_SIGNALS:
+            self._old[sig] = signal.signal(sig, self._on_signal)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+    def _on_signal(self, signum, _frame) -> None:
+        if self.signum is not None:
+            return
+        self.signum = signum
+        log.warning("got %s: the ranks stop in order", signal.Signals(signum).name)
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+
+
+def execute(run: PreparedRun, *, grace_s: float = 40.0) -> Outcome:
+    """Start srun, wait for it, clean up this node, name the failure."""
+    write_files(run)
+    print(f"pivotrl: job {run.job}: {run.layout.world_size} ranks on "
+          f"{','.join(run.layout.node_names)}; run folder {run.paths.trace.parent}", flush=True)
+    if run.cpu_warning:
+        print(f"pivotrl: warning: {run.cpu_warning}", flush=True)
+    srun_log = run.paths.logs / "srun.log"
+    with _Stop() as stop:
+        if stop.signum is None:
+            with open(srun_log, "ab") as err:
+                stop.proc = subprocess.Popen(run.command, stderr=err,
+                                             env={**os.environ, **run.env})
+            follower = StderrFollower(stop.proc, srun_log)
+            _wait(stop, grace_s)
+            follower.join()
+    rc = stop.proc.returncode if stop.proc is not None else None
+    cleanup(run, failed=stop.signum is None and rc != 0)
+    if stop.signum is not None:
+        return Outcome(128 + stop.signum, f"stopped by {signal.Signals(stop.signum).name}; "
+                       f"trace {run.paths.trace}", run.paths, _summary(run.paths))
+    if rc == 0:
+        summary = _summary(run.paths)
+        return Outcome(0, f"done; summary {run.paths.summary_json}" if summary is not None
+                       else "done (the controller returned no summary)", run.paths, summary)
+    text = srun_log.read_text(errors="replace") if srun_log.exists() else ""
+    return Outcome(1, diagnose(run.layout, run.paths, text, rc, "srun"), run.paths)
+
+
+def _wait(stop: _Stop, grace_s: float) -> None:
+    while stop.proc.poll() is None:
+        time.sleep(0.2)
+        if stop.signum is not None:
+            try:
+                stop.proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                log.error("ranks still running %.0f s after the stop signal: killing srun",
+                          grace_s)
+                stop.proc.kill()
+                stop.proc.wait()
+            return
+
+
+def _summary(paths: RunPaths) -> dict | None:
+    try:
+        return json.loads(paths.summary_json.read_text())
+    except FileNotFoundError:
+        return None
+
+
+def cleanup(run: PreparedRun, failed: bool) -> None:
+    """What killed ranks left: this node's segments and cgroups, and, after a failure, the
+    other nodes' segments (one task per node; not after a stop signal: no new step can start
+    while Slurm stops the job, and an orderly stop leaves nothing)."""
+    removed = sweep_segments(run.job)
+    if removed:
+        log.warning("removed %d GPS segment(s) the ranks left: %s", len(removed), removed)
+    cgroup.remove_job(run.job, wait_s=10.0)
+    if failed and run.layout.nodes > 1:
+        code = ("from pivotrl_hpc.launch.local import sweep_segments as s; "
+                f"print(len(s({run.job!r}) or ''))")
+        subprocess.run(["srun", f"--nodes={run.layout.nodes}", "--ntasks-per-node=1",
+                        "--overlap", sys.executable, "-c", code], capture_output=True,
+                       timeout=60, check=False)
+
+
+# ---- the two ways in --------------------------------------------------------------------------
+def run_in_allocation(config: str | Path, overrides: tuple[str, ...] | list[str] = (), *,
+                      root: str | Path | None = None) -> dict:
+    """What `pivotrl_hpc.submit` runs in the batch step: the job's summary, with `trace`,
+    `run_folder` and `job_id` added. Raises ConfigError / LaunchError (refused before any rank
+    started), SlurmJobError (a rank failed, named) or InterruptedError (stopped by a signal)."""
+    from pivotrl_hpc.config import load_config
+
+    _log_to_stderr()
+    cfg = load_config(config, list(overrides))
+    run = prepare(cfg, Allocation.from_env(), root=root)
+    out = execute(run)
+    if out.code == 0 and out.summary is not None:
+        return {**out.summary, "trace": str(out.paths.trace),
+                "run_folder": str(out.paths.trace.parent), "job_id": run.job}
+    if out.code > 128:
+        raise InterruptedError(f"job {run.job} {out.message}")
+    raise SlurmJobError(f"job {run.job}: {out.message}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m pivotrl_hpc.launch.slurm CONFIG [key=value ...]` (pivot.sbatch's body)."""
+    import yaml
+
+    from pivotrl_hpc.config import ConfigError, load_config
+
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0].startswith("-"):
+        print("usage: python -m pivotrl_hpc.launch.slurm CONFIG [key=value ...] (inside a "
+              "Slurm allocation; see slurm/pivot.sbatch)", file=sys.stderr)
+        return 2
+    _log_to_stderr()
+    try:
+        run = prepare(load_config(argv[0], argv[1:]), Allocation.from_env())
+    except (ConfigError, LaunchError, cgroup.CgroupError) as e:
+        print(f"pivot.sbatch: error: {e}", file=sys.stderr)
+        return 2
+    except yaml.YAMLError as e:
+        print(f"pivot.sbatch: error: {argv[0]} is not valid YAML: {' '.join(str(e).split())}",
+              file=sys.stderr)
+        return 2
+    out = execute(run)
+    print(f"pivotrl: {out.message}", file=sys.stderr if out.code else sys.stdout, flush=True)
+    return out.code
+
+
+def _log_to_stderr() -> None:
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                            format="%(asctime)s pivotrl %(levelname)s %(message)s")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""`pivotrl_hpc.submit(config, **slurm_options)` and `pivotrl submit`: the Slurm job from a
+Python session, through submitit.
+
+submitit writes and submits an sbatch script whose batch step (`use_srun=False`) runs
+`launch.slurm.run_in_allocation` — the body of `slurm/pivot.sbatch` — so both ways in check
+the allocation and start the world (`srun --mpi=pmix`) with the same code. `job.result()` is
+the run summary with `trace`, `run_folder` and `job_id`; a refused allocation or config
+raises with its message, a failed rank raises `SlurmJobError` naming it (submitit wraps both
+in its `FailedJobError`, whose text carries ours). submitit's own logs go to
+`<runs root>/submitit/<job id>_0_log.{out,err}`.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+DEFAULT_ROOT = "runs"
+JOB_NAME = "pivotrl"
+
+
+def submit(config: str | Path, overrides: Sequence[str] = (), *, nodes: int | None = None,
+           gpus_per_node: int | None = None, runs_root: str | Path = DEFAULT_ROOT,
+           folder: str | Path | None = None, python: str | None = None, check: bool = True,
+           cpus_per_gpu: int = 2, **slurm_options: Any):
+    """Submit the RL job of `config` (+ dotted `overrides`); returns the submitit Job.
+
+    nodes / gpus_per_node default to the config's cluster.nodes / devices_per_node. Every
+    other keyword is a submitit Slurm parameter (partition, time in minutes, account,
+    job_name, exclusive, constraint, qos, mem, additional_parameters, ...). With `check` the
+    config is loaded and validated here first, so a typo fails at once rather than in the
+    queue; the job checks it again, with the allocation, before any rank starts."""
+    import submitit
+
+    config = Path(config).resolve()
+    if check:
+        from pivotrl_hpc.config import load_config
+        cfg = load_config(config, list(overrides))
+        nodes = nodes or cfg.cluster.nodes
+        gpus_per_node = gpus_per_node or cfg.cluster.devices_per_node
+        _check_request(cfg, nodes, gpus_per_node)
+    root = Path(runs_root).resolve()
+    executor = submitit.SlurmExecutor(folder=str(folder or root / "submitit"),
+                                      python=python or sys.executable)
+    # --cpus-per-gpu as a plain sbatch flag: submitit's own parameter wants --gpus-per-task
+    extra = {"cpus_per_gpu": cpus_per_gpu, **slurm_options.pop("additional_parameters", {})}
+    executor.update_parameters(**{
+        "job_name": JOB_NAME, "nodes": nodes or 1, "ntasks_per_node": 1,
+        "gres": f"gpu:{gpus_per_node or 1}", "additional_parameters": extra,
+        "use_srun": False, "stderr_to_stdout": False, **slurm_options})
+    from pivotrl_hpc.launch.slurm import run_in_allocation
+    return executor.submit(run_in_allocation, str(config), tuple(overrides), root=str(root))
+
+
+def _check_request(cfg, nodes: int, gpus_per_node: int) -> None:
+    """What the job would refuse once allocated, refused before it queues."""
+    from pivotrl_hpc.launch.layout import LaunchError
+
+    c = cfg.cluster
+    if nodes != c.nodes:
+        raise LaunchError(f"the config needs {c.nodes} node(s) (cluster.nodes) but "
+                          f"{nodes} were asked for: submit with nodes={c.nodes}, or set "
+                          f"cluster.nodes={nodes}")
+    if gpus_per_node < c.devices_per_node:
+        raise LaunchError(f"the config needs {c.devices_per_node} GPUs per node "
+                          f"(cluster.devices_per_node) but {gpus_per_node} were asked for: "
+                          f"submit with gpus_per_node={c.devices_per_node}, or set "
+                          f"cluster.devices_per_node={gpus_per_node}")
+
+
+def run_folder(job, runs_root: str | Path = DEFAULT_ROOT, job_name: str = JOB_NAME) -> Path:
+    """Where the job's trace, summary and logs go (known once it is submitted)."""
+    return Path(runs_root).resolve() / f"{job_name}-{job.job_id}"
+
+
+def environment_note() -> str | None:
+    """submitit submits with the sbatch on PATH; say so when there is none."""
+    from shutil import which
+
+    if which("sbatch") is None:
+        return "sbatch is not on PATH: run this on a Slurm login node (or load the Slurm module)"
+    if not os.environ.get("SLURM_CONF") and not Path("/etc/slurm/slurm.conf").exists():
+        return "no Slurm configuration found (SLURM_CONF unset and no /etc/slurm/slurm.conf)"
+    return None
