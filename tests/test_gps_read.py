@@ -119,7 +119,7 @@ def test_no_agent_is_a_clear_error():
 def test_bad_requests_get_errors_and_the_agent_lives(client, agent):
     with pytest.raises(RuntimeError, match="KeyError"):
         client._request({"op": "begin_write", "model": "nosuchmodel"}, "begin_write")
-    with pytest.raises(RuntimeError, match="already published"):
+    with pytest.raises(RuntimeError, match="v0 cannot be written on n0: the next version is v1"):
         client._request({"op": "written", "model": "policy", "version": 0, "ranges": []},
                         "written")
     assert client._request({"op": "ping"}, "ping")["node"] == agent.node

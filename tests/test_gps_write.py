@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 from pivotrl_hpc.gps import control
 from pivotrl_hpc.gps.client import GPSClient
+from pivotrl_hpc.gps.control import GPSUnavailable
 from pivotrl_hpc.gps.convert import hf_to_megatron
 from pivotrl_hpc.gps.layout import ParallelPlace
 from pivotrl_hpc.gps.local import local_agent
@@ -193,7 +194,8 @@ def test_writer_dying_mid_write(client, agent, tiny_models):
 
 
 def test_agent_dying_under_a_client(tiny_models):
-    """kill -9 of the agent: a waiting handle and later requests raise ConnectionError."""
+    """kill -9 of the agent: a waiting handle and later requests raise ConnectionError
+    (GPSUnavailable); a new client is refused at once, though the control block is left."""
     hf = _hf(tiny_models)
     shape = ModelShape.from_hf_config(tiny_models / "policy")
     with local_agent({"policy": str(tiny_models / "policy")}) as agent:
@@ -205,9 +207,7 @@ def test_agent_dying_under_a_client(tiny_models):
             h.wait(timeout=120)
         with pytest.raises(ConnectionError):
             c.info()
-        fresh = GPSClient(agent.job, agent.node, wait_s=0)  # its control block is still there
-        with pytest.raises(ConnectionRefusedError):
-            fresh.info()
-        fresh.close()
+        with pytest.raises(GPSUnavailable, match=r"\(pid \d+\) is gone"):
+            GPSClient(agent.job, agent.node, wait_s=0)  # its control block is still there
         c.close()
     assert agent.leftover is None  # killed: nothing of its own cleanup to check

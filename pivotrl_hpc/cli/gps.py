@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
+import uuid
 
 log = logging.getLogger(__name__)
 
@@ -13,7 +15,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     serve = sub.add_parser("serve", help="run this node's GPS agent until shutdown or SIGTERM")
     serve.add_argument("--model", action="append", required=True, metavar="NAME=DIR",
                        help="model name and HF safetensors folder (repeat)")
-    serve.add_argument("--job", default=None, help="job id (default: $SLURM_JOB_ID or local)")
+    serve.add_argument("--job", default=None,
+                       help="job id (default: $SLURM_JOB_ID or $PIVOTRL_RUN_ID, else a new one)")
     serve.add_argument("--node", default=None, help="node name (default: $SLURMD_NODENAME)")
     serve.add_argument("--budget-mb", type=float, default=None,
                        help="per-node GPS memory budget; below the models' size -> hybrid layout")
@@ -21,7 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     serve.add_argument("--mpi", action="store_true",
                        help="one agent per MPI rank (srun -N<n> --ntasks-per-node=1)")
     clean = sub.add_parser("clean", help="remove GPS segments of a job (operator cleanup)")
-    clean.add_argument("--job", default=None, help="job id (default: $SLURM_JOB_ID or local)")
+    clean.add_argument("--job", default=None,
+                       help="job id (default: $SLURM_JOB_ID or $PIVOTRL_RUN_ID)")
     clean.add_argument("--node", default=None, help="only this node's segments")
     clean.add_argument("--all", action="store_true", help="every pivotrl-* segment of this user")
     ls = sub.add_parser("ls", help="list GPS segments in /dev/shm")
@@ -29,7 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from pivotrl_hpc.gps.segment import SHM_DIR, default_job, default_node, sweep
+    from pivotrl_hpc.gps.segment import (SHM_DIR, AgentAliveError, default_job, default_node,
+                                         sweep)
 
     if args.gps_cmd == "clean":
         if args.all:
@@ -39,7 +44,16 @@ def main(args: argparse.Namespace) -> int:
                     p.unlink(missing_ok=True)
                     removed.append(p.name)
         else:
-            removed = sweep(args.job or default_job(), args.node)
+            job = args.job or default_job()
+            if job is None:
+                print("pivotrl gps clean: which job? give --job ID (or --all for every segment "
+                      "of this user)", file=sys.stderr)
+                return 2
+            try:
+                removed = sweep(job, args.node)
+            except AgentAliveError as e:
+                print(f"pivotrl gps clean: {e}", file=sys.stderr)
+                return 1
         print(f"removed {len(removed)} segment(s)")
         return 0
     if args.gps_cmd == "ls":
@@ -55,7 +69,8 @@ def main(args: argparse.Namespace) -> int:
     if args.mpi:
         from mpi4py import MPI
         comm = MPI.COMM_WORLD
-    cfg = AgentConfig(job=args.job or default_job(), node=args.node or default_node(),
+    job = args.job or default_job() or f"local{uuid.uuid4().hex[:8]}"   # never a shared name
+    cfg = AgentConfig(job=job, node=args.node or default_node(),
                       models=models, transport=args.transport,
                       budget_bytes=int(args.budget_mb * 2**20) if args.budget_mb else None)
     agent = NodeAgent(cfg, comm)

@@ -11,11 +11,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-import yaml
-
-from pivotrl_hpc.config import ConfigError, load_config
-from pivotrl_hpc.launch.cgroup import CgroupError
-from pivotrl_hpc.launch.layout import LaunchError
+from pivotrl_hpc.config import load_config
+from pivotrl_hpc.launch.diagnose import BAD_INPUT, bad_input
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,12 +34,8 @@ def main(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         run = local.prepare(cfg, cpu_cap=not args.no_cpu_cap)
-    except (ConfigError, LaunchError, CgroupError) as e:
-        print(f"pivotrl run: {e}", file=sys.stderr)
-        return 2
-    except yaml.YAMLError as e:
-        print(f"pivotrl run: {args.config} is not valid YAML: {' '.join(str(e).split())}",
-              file=sys.stderr)
+    except BAD_INPUT as e:
+        print(f"pivotrl run: {bad_input(e, args.config)}", file=sys.stderr)
         return 2
     if args.dry_run:
         print(run.shell_line())

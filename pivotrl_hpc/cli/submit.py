@@ -9,10 +9,7 @@ import argparse
 import json
 import sys
 
-import yaml
-
-from pivotrl_hpc.config import ConfigError
-from pivotrl_hpc.launch.layout import LaunchError
+from pivotrl_hpc.launch.diagnose import BAD_INPUT, bad_input
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,12 +46,8 @@ def main(args: argparse.Namespace) -> int:
         job = submit(args.config, args.overrides, nodes=args.nodes,
                      gpus_per_node=args.gpus_per_node, runs_root=args.runs_root,
                      cpus_per_gpu=args.cpus_per_gpu, job_name=args.job_name, **options)
-    except (ConfigError, LaunchError) as e:
-        print(f"pivotrl submit: {e}", file=sys.stderr)
-        return 2
-    except yaml.YAMLError as e:
-        print(f"pivotrl submit: {args.config} is not valid YAML: {' '.join(str(e).split())}",
-              file=sys.stderr)
+    except BAD_INPUT as e:
+        print(f"pivotrl submit: {bad_input(e, args.config)}", file=sys.stderr)
         return 2
     folder = run_folder(job, args.runs_root, args.job_name)
     print(f"submitted job {job.job_id}; run folder {folder}; submitit logs {job.paths.folder}")

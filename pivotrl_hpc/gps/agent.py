@@ -23,22 +23,20 @@ every node has published, the writers' handles complete.
 from __future__ import annotations
 
 import atexit
-import json
 import logging
 import os
-import select
 import signal
-import socket
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from pivotrl_hpc.gps import control
+from pivotrl_hpc.gps.conns import ClientSocket, Conn
 from pivotrl_hpc.gps.layout import choose_group_size
 from pivotrl_hpc.gps.plan import LinkModel, PlanCache, Range, assign, merge_ranges, refine
 from pivotrl_hpc.gps.segment import (SHM_DIR, RawMap, check_memory, hf_header, load_into,
-                                     memory_available, segment_prefix, sweep)
+                                     memory_available, segment_prefix, staging_prefix, sweep)
 from pivotrl_hpc.gps.store import ModelStore
 from pivotrl_hpc.gps.transport import CTRL_TAG, Pending, make_transport
 
@@ -72,7 +70,7 @@ class _Write:
     fetches: list[Pending] | None = None
     # node index -> seconds from this agent's first sight of the Write to its publication
     published: dict[int, float] = field(default_factory=dict)
-    waiters: list[socket.socket] = field(default_factory=list)
+    waiters: list[Conn] = field(default_factory=list)
     deferred: bool = False
     t0: float = field(default_factory=time.monotonic)
 
@@ -92,8 +90,8 @@ class NodeAgent:
         self.plans = PlanCache()
         self.ctl: control.ControlBlock | None = None
         self.transport = None
-        self._clients: dict[socket.socket, bytearray] = {}
-        self._fetches: list[tuple[socket.socket, list[Pending], RawMap]] = []
+        self.clients: ClientSocket | None = None
+        self._fetches: list[tuple[Conn, list[Pending], RawMap]] = []
         self._byes: set[int] = set()
         self._stopping = False
         self.closed = False
@@ -142,15 +140,14 @@ class NodeAgent:
             signal.signal(sig, self._on_signal)
 
     def _on_signal(self, signum, frame) -> None:
+        if self.closed:   # a second signal while the first one's close runs: let it finish
+            return
         log.warning("GPS agent on %s got signal %d: removing segments", self.cfg.node, signum)
         self.close()
         os._exit(128 + signum)  # no MPI_Finalize: the other ranks are being killed too
 
     def _listen(self) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.bind(socket_address(self.cfg.job, self.cfg.node))
-        self.sock.listen(64)
-        self.sock.setblocking(False)
+        self.clients = ClientSocket(socket_address(self.cfg.job, self.cfg.node))
 
     def _expose(self, model: str, version: int) -> dict:
         seg = self.stores[model].versions[version]
@@ -186,37 +183,10 @@ class NodeAgent:
         return busy or bool(self._fetches) or bool(self.writes)
 
     def _poll_clients(self, timeout: float) -> bool:
-        ready, _, _ = select.select([self.sock, *self._clients], [], [], timeout)
-        for s in ready:
-            if s is self.sock:
-                conn, _ = self.sock.accept()
-                self._clients[conn] = bytearray()
-                continue
-            try:
-                data = s.recv(1 << 20)
-            except OSError:  # a worker died mid-request: its connection just goes
-                data = b""
-            if not data:
-                self._clients.pop(s, None)
-                s.close()
-                continue
-            buf = self._clients[s]
-            buf += data
-            while b"\n" in buf:
-                line, _, rest = bytes(buf).partition(b"\n")
-                buf[:] = rest
-                try:
-                    self._handle_client(s, json.loads(line))
-                except Exception as e:  # noqa: BLE001 - a bad request must not stop the node
-                    log.exception("GPS request failed")
-                    self._reply(s, {"op": "error", "error": f"{type(e).__name__}: {e}"})
-        return bool(ready)
+        return self.clients.poll(timeout, self._handle_client)
 
-    def _reply(self, conn: socket.socket, msg: dict) -> None:
-        try:
-            conn.sendall(json.dumps(msg).encode() + b"\n")
-        except OSError:
-            log.debug("client went away before its reply")
+    def _reply(self, conn: Conn, msg: dict) -> None:
+        self.clients.reply(conn, msg)
 
     def _poll_peers(self) -> bool:
         from mpi4py import MPI
@@ -238,14 +208,15 @@ class NodeAgent:
                 self.comm.send(msg, dest=node, tag=CTRL_TAG)
 
     # ---- requests -------------------------------------------------------------------------
-    def _handle_client(self, conn: socket.socket, msg: dict) -> None:
+    def _handle_client(self, conn: Conn, msg: dict) -> None:
         op = msg["op"]
         if op == "begin_write":
-            w = self._write_for(msg["model"], msg.get("version"))
+            w = self._write_for(msg["model"], self._next_version(msg["model"],
+                                                                 msg.get("version")))
             self._reply(conn, {"op": "begin_write", "version": w.version,
                                "path": str(self.stores[w.model].versions[w.version].path)})
         elif op == "written":
-            w = self._write_for(msg["model"], msg["version"])
+            w = self._write_for(msg["model"], self._next_version(msg["model"], msg["version"]))
             ranges = [tuple(r) for r in msg["ranges"]]
             w.holders[self.index] = merge_ranges(w.holders.get(self.index, []) + ranges)
             if conn not in w.waiters:
@@ -269,6 +240,16 @@ class NodeAgent:
                 self._broadcast({"op": "bye"})
         else:
             self._reply(conn, {"op": "error", "error": f"unknown request {op!r}"})
+
+    def _next_version(self, model: str, version: int | None) -> int | None:
+        """A client may name only the next version (or one being written): never a segment
+        per number it makes up."""
+        store = self.stores[model]
+        pending = {v for (m, v) in self.writes if m == model}
+        if version is not None and version not in pending and version != (store.current or 0) + 1:
+            raise ValueError(f"{model} v{version} cannot be written on {self.cfg.node}: the next "
+                             f"version is v{(store.current or 0) + 1}")
+        return version
 
     def _handle_peer(self, src: int, msg: dict) -> None:
         op = msg["op"]
@@ -300,8 +281,8 @@ class NodeAgent:
             raise ValueError(f"{model} v{version} is already published on {self.cfg.node}; "
                              f"one Write per model at a time, each after the previous completed")
         if w is None:
+            store.new_version(version)   # first: a GPSMemoryError leaves no Write behind
             w = self.writes[(model, version)] = _Write(model, version)
-            store.new_version(version)
             if self.comm is not None:
                 info = self._expose(model, version)
                 self._broadcast({"op": "segment", "model": model, "version": version,
@@ -369,12 +350,12 @@ class NodeAgent:
                                      pieces) for src, pieces in sorted(by_src.items())]
 
     # ---- remote part of a Read under the hybrid layout --------------------------------------
-    def _start_fetch(self, conn: socket.socket, msg: dict) -> None:
+    def _start_fetch(self, conn: Conn, msg: dict) -> None:
         """Pull `items` (data byte ranges of `version`) into the client's staging segment."""
         model, version = msg["model"], msg["version"]
         store = self.stores[model]
         items = [tuple(r) for r in msg["items"]]
-        dest = RawMap(Path(msg["dest"]))
+        dest = RawMap(self._staging_file(msg["dest"]))
         dest_off, pos = {}, 0
         for a, b in items:
             dest_off[a] = (pos, b)
@@ -393,6 +374,15 @@ class NodeAgent:
             if plan else []
         self._fetches.append((conn, pending, dest))
 
+    def _staging_file(self, dest: str) -> Path:
+        """Only this job's own staging files: the agent maps `dest` read-write."""
+        path = Path(dest)
+        if path.parent != SHM_DIR or not path.name.startswith(
+                staging_prefix(self.cfg.job, self.cfg.node)):
+            raise PermissionError(f"fetch into {dest!r} refused: not a staging file of job "
+                                  f"{self.cfg.job} on {self.cfg.node}")
+        return path
+
     def _advance_fetches(self) -> None:
         still = []
         for conn, pending, dest in self._fetches:
@@ -409,6 +399,8 @@ class NodeAgent:
         if self.closed:
             return
         self.closed = True
+        if self.ctl is not None:
+            self.ctl.mark_closed()  # clients waiting on this node stop at once
         for store in self.stores.values():
             store.close(unlink=True)
         sweep(self.cfg.job, self.cfg.node)
@@ -419,6 +411,5 @@ class NodeAgent:
                 self.transport.close()
             except Exception:  # noqa: BLE001 - best effort at exit; segments are gone already
                 log.debug("transport close failed", exc_info=True)
-        sock = getattr(self, "sock", None)
-        if sock is not None:
-            sock.close()
+        if self.clients is not None:
+            self.clients.close()

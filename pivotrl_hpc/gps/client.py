@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 import socket
 import time
 from collections.abc import Mapping
@@ -28,12 +29,14 @@ import torch
 from torch import Tensor
 
 from pivotrl_hpc.gps import control
+from pivotrl_hpc.gps.control import GPSUnavailable
 from pivotrl_hpc.gps.agent import control_path, socket_address
 from pivotrl_hpc.gps.convert import megatron_shard_to_hf_slices
 from pivotrl_hpc.gps.layout import (VOCAB_PARALLEL, ParallelPlace, byte_ranges,
                                     covering_range, hybrid_owner, target_index)
 from pivotrl_hpc.gps.plan import merge_ranges
-from pivotrl_hpc.gps.segment import DTYPES, SHM_DIR, Header, Segment, itemsize, segment_name
+from pivotrl_hpc.gps.segment import (DTYPES, SHM_DIR, Header, Segment, itemsize, segment_name,
+                                     open_own, staging_prefix)
 from pivotrl_hpc.gps.shapes import ModelShape
 from pivotrl_hpc.gps.tensors import copy_into as _copy
 from pivotrl_hpc.gps.tensors import to_megatron
@@ -120,12 +123,16 @@ class GPSClient:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"no GPS node agent for job {job} on {node} ({path})")
                 time.sleep(0.05)
+        self.ctl.check_agent()
         self._sock: socket.socket | None = None
         self._buf = b""
         self._notices: dict[tuple[str, int], dict] = {}   # (model, version) -> replicated
         self._headers: dict[str, tuple[Header, ModelShape]] = {}
         self._node_index: int | None = None
         self._maps: dict[tuple[str, int, int], Segment] = {}
+        # connected from the start: a worker's connection is held before any flood of other
+        # local connections can reach the agent's limit (gps/conns.py)
+        self._connect()
 
     # ---- versions and pins ------------------------------------------------------------------
     def state(self, model: str) -> control.ModelState:
@@ -133,7 +140,12 @@ class GPSClient:
 
     def pin(self, model: str, version: int | None = None) -> Pin:
         """Pin `version` (default: the current one) so it is neither freed nor recycled."""
+        deadline = time.monotonic() + control.STALL_S
         while True:
+            self.ctl.check_agent()
+            if time.monotonic() > deadline:
+                raise GPSUnavailable(f"{model} v{version}: its segment kept vanishing for "
+                                     f"{control.STALL_S:.0f} s on {self.node}")
             st = self.ctl.state(model)
             v = st.current if version is None else version
             if v is None or v not in st.live:
@@ -141,13 +153,18 @@ class GPSClient:
                                   f"(live: {st.live})")
             path = SHM_DIR / segment_name(self.job, self.node, model, v)
             try:
-                fd = os.open(path, os.O_RDONLY)
+                fd = open_own(path, os.O_RDONLY)   # no symlink, no other user's file
             except FileNotFoundError:
+                time.sleep(0.001)
                 continue  # retired between the snapshot and the open: take a new snapshot
-            control.lock_shared(fd)
-            live = self.ctl.state(model).live
-            if v in live:
-                return Pin(model, v, self._mapping(model, v, path, fd, live), fd)
+            try:
+                control.lock_shared(fd)
+                live = self.ctl.state(model).live
+                if v in live:
+                    return Pin(model, v, self._mapping(model, v, path, fd, live), fd)
+            except BaseException:
+                os.close(fd)   # drops the shared lock too: the version can be freed
+                raise
             control.unlock(fd)
             os.close(fd)
 
@@ -166,10 +183,14 @@ class GPSClient:
         return seg
 
     def wait_version(self, model: str, version: int, timeout: float = 60.0) -> int:
-        deadline = time.monotonic() + timeout
+        deadline, check = time.monotonic() + timeout, 0.0
         while (cur := self.ctl.state(model).current) is None or cur < version:
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
                 raise TimeoutError(f"{model} v{version} not published on {self.node}")
+            if now - check > control.CHECK_EVERY_S:
+                check = now
+                self.ctl.check_agent()
             time.sleep(0.002)
         return cur
 
@@ -245,8 +266,10 @@ class GPSClient:
         if not items:
             return {}
         total = sum(b - a for a, b in items)
-        stage = SHM_DIR / f"pivotrl-{self.job}-{self.node}-stage-{os.getpid()}"
-        fd = os.open(stage, os.O_CREAT | os.O_TRUNC | os.O_RDWR, 0o600)
+        # O_EXCL | O_NOFOLLOW and a random name: a planted file or symlink is never opened
+        stage = SHM_DIR / (f"{staging_prefix(self.job, self.node)}{os.getpid()}-"
+                           f"{secrets.token_hex(8)}")
+        fd = os.open(stage, os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_RDWR, 0o600)
         try:
             os.ftruncate(fd, total)
             self._request({"op": "fetch", "model": model, "version": pin.version,
@@ -328,7 +351,7 @@ class GPSClient:
             except (socket.timeout, BlockingIOError):
                 return None
             if not data:
-                raise ConnectionError(f"GPS agent on {self.node} closed the connection")
+                raise GPSUnavailable(f"GPS agent on {self.node} closed the connection")
             self._buf += data
         line, _, self._buf = self._buf.partition(b"\n")
         return json.loads(line)

@@ -2,7 +2,7 @@
 seqlock; and version pins as `flock` shared locks on the segment files.
 
 Layout of `pivotrl-<job>-<node>-ctl` (4 KiB): a 64-byte head (magic, agent pid, group size
-k), then one 256-byte slot per model: name (64 B), seq (u64), current+1 (u64), 16 live
+k, closed flag), then one 256-byte slot per model: name (64 B), seq (u64), current+1 (u64), 16 live
 versions+1 (u64 each; 0 = empty). Only the node agent writes; it bumps `seq` to odd, writes,
 bumps to even (a seqlock). Readers retry while `seq` is odd or changed under them, so they never
 act on a half-updated slot. x86 keeps stores in program order, and CPython performs the
@@ -10,6 +10,11 @@ act on a half-updated slot. x86 keeps stores in program order, and CPython perfo
 `struct.pack_into` zeroes its target before packing, so the counter itself is stored and loaded
 as one 8-byte word (a u64 memoryview): through `pack_into` it would pass through 0, an even
 value a reader could match before and after a whole write (a torn read).
+
+Other CPUs (aarch64: Grace Hopper nodes) may reorder stores and loads, and CPython gives no
+fences, so there the slot is read and written under an flock of the control file instead
+(`LOCKED`: shared for readers, exclusive for the agent; microseconds, never held across a
+call). PIVOTRL_GPS_SEQLOCK=lock forces that path on x86 (tested), =seqlock the lock-free one.
 
 Pin protocol (why readers never see a mix of versions, and freed memory is never read):
 reader: read (current, live) -> open the segment file of `current` -> flock(LOCK_SH) ->
@@ -20,9 +25,11 @@ a reader leaves nothing pinned and nothing corrupt (readers map read-only).
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import mmap
 import os
+import platform
 import struct
 import time
 from dataclasses import dataclass
@@ -37,6 +44,17 @@ MAX_LIVE = 16
 _NAME = 64
 
 
+_MODE = os.environ.get("PIVOTRL_GPS_SEQLOCK", "auto")
+LOCKED = _MODE == "lock" or (_MODE == "auto" and platform.machine().lower() not in
+                             ("x86_64", "amd64", "i386", "i686"))
+STALL_S = 5.0        # a seqlock odd this long: its writer died mid-publish
+CHECK_EVERY_S = 0.05  # how often a waiting client checks that the agent is alive
+
+
+class GPSUnavailable(ConnectionError):
+    """The node's GPS agent is gone (killed, or shut down): nothing more will be published."""
+
+
 @dataclass(frozen=True)
 class ModelState:
     current: int | None
@@ -48,20 +66,27 @@ class ControlBlock:
 
     def __init__(self, path: Path, create: bool = False, group_size: int = 1):
         self.path = Path(path)
-        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        flags = os.O_RDWR | os.O_NOFOLLOW | (os.O_CREAT | os.O_EXCL if create else 0)
         fd = os.open(self.path, flags, 0o600)
         try:
+            st = os.fstat(fd)
+            if st.st_uid != os.getuid() or st.st_size < SIZE and not create:
+                raise PermissionError(f"{self.path} is not a GPS control segment of uid "
+                                      f"{os.getuid()} (uid {st.st_uid}, {st.st_size} bytes)")
             if create:
                 os.ftruncate(fd, SIZE)
             self.mm = mmap.mmap(fd, SIZE)
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
+        self._fd = fd   # kept: the flock of the LOCKED path
         self._words = memoryview(self.mm).cast("Q")  # single 8-byte loads and stores
         self.raced_reads = 0  # state() calls that met a write in progress and retried
         self._slots: dict[str, int] = {}
         if create:
             struct.pack_into("<QQQ", self.mm, 0, MAGIC, os.getpid(), group_size)
         elif struct.unpack_from("<Q", self.mm, 0)[0] != MAGIC:
+            self.close()
             raise RuntimeError(f"{self.path} is not a GPS control segment")
 
     @property
@@ -71,6 +96,23 @@ class ControlBlock:
     @property
     def group_size(self) -> int:
         return struct.unpack_from("<Q", self.mm, 16)[0]
+
+    def mark_closed(self) -> None:
+        """Agent only, before it deletes anything: clients stop waiting at once."""
+        self._words[3] = 1
+
+    def check_agent(self) -> None:
+        """Raise GPSUnavailable when the agent has shut down or its process is gone."""
+        if self._words[3]:
+            raise GPSUnavailable(f"the GPS agent of {self.path.name} has shut down")
+        pid = self.agent_pid
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            raise GPSUnavailable(f"the GPS agent of {self.path.name} (pid {pid}) is gone") \
+                from None
+        except PermissionError:  # alive, another user's pid namespace view: not ours to judge
+            pass
 
     def models(self) -> list[str]:
         out = []
@@ -99,10 +141,25 @@ class ControlBlock:
                 return off
         raise KeyError(f"model {model!r} is not in the GPS control segment {self.path}")
 
+    @contextlib.contextmanager
+    def _locked(self, how: int):
+        if not LOCKED:
+            yield
+            return
+        fcntl.flock(self._fd, how)
+        try:
+            yield
+        finally:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+
     def state(self, model: str) -> ModelState:
         """Consistent snapshot of a model's versions (seqlock read)."""
+        with self._locked(fcntl.LOCK_SH):
+            return self._state(model)
+
+    def _state(self, model: str) -> ModelState:
         off = self._slot(model) + _NAME
-        raced = False
+        raced, start, checked = False, time.monotonic(), 0.0
         while True:
             seq = self._words[off // 8]
             if not seq & 1:
@@ -112,7 +169,19 @@ class ControlBlock:
                     cur = vals[0] - 1 if vals[0] else None
                     return ModelState(cur, tuple(sorted(v - 1 for v in vals[1:] if v)))
             raced = True
-            time.sleep(0)
+            # a writer holds the lock for microseconds; longer means it may be dead: back off
+            # from yielding to sleeping, check the agent, and give up after STALL_S
+            waited = time.monotonic() - start
+            if waited > 0.001:
+                if waited - checked > CHECK_EVERY_S:
+                    checked = waited
+                    self.check_agent()
+                if waited > STALL_S:
+                    raise GPSUnavailable(f"{model}'s slot in {self.path.name} stayed locked "
+                                         f"for {STALL_S:.0f} s: its writer died mid-publish")
+                time.sleep(0.001)
+            else:
+                time.sleep(0)
 
     def sequence(self, model: str) -> int:
         """The slot's seqlock counter: odd while the agent writes it."""
@@ -123,16 +192,46 @@ class ControlBlock:
         if len(live) > MAX_LIVE:
             raise RuntimeError(f"more than {MAX_LIVE} live versions of {model}")
         i = (self._slot(model, create=True) + _NAME) // 8
-        seq = self._words[i]
-        self._words[i] = seq + 1
         padded = [v + 1 for v in live] + [0] * (MAX_LIVE - len(live))
-        struct.pack_into(f"<Q{MAX_LIVE}Q", self.mm, i * 8 + 8,
-                         0 if current is None else current + 1, *padded)
-        self._words[i] = seq + 2
+        with self._locked(fcntl.LOCK_EX):
+            seq = self._words[i]
+            self._words[i] = seq + 1
+            struct.pack_into(f"<Q{MAX_LIVE}Q", self.mm, i * 8 + 8,
+                             0 if current is None else current + 1, *padded)
+            self._words[i] = seq + 2
 
     def close(self) -> None:
+        if self._fd < 0:
+            return
         self._words.release()
         self.mm.close()
+        os.close(self._fd)
+        self._fd = -1
+
+
+def live_agent(path: Path) -> int | None:
+    """The pid of a live agent serving the control segment at `path` (another process than
+    this one, not marked closed), else None."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        head = os.pread(fd, 32, 0)
+    finally:
+        os.close(fd)
+    if len(head) < 32:
+        return None
+    magic, pid, _, closed = struct.unpack("<QQQQ", head)
+    if magic != MAGIC or closed or pid == os.getpid():
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:
+        pass
+    return pid
 
 
 def lock_shared(fd: int) -> None:

@@ -87,7 +87,11 @@ def _stop(agent: LocalAgent) -> None:
             agent.proc.wait(timeout=20)
         except Exception:  # noqa: BLE001 - fall back to the signal path
             agent.proc.terminate()
-            agent.proc.wait(timeout=20)
+            try:
+                agent.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:   # it ignores SIGTERM: the sweep still runs
+                agent.proc.kill()
+                agent.proc.wait()
     if agent.proc.returncode in _CLEAN_EXITS:
         prefix = segment_prefix(agent.job, agent.node)
         agent.leftover = sorted(p.name for p in SHM_DIR.glob(prefix + "*"))

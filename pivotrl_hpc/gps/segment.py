@@ -17,6 +17,7 @@ import logging
 import mmap
 import os
 import re
+import stat
 import struct
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -37,6 +38,13 @@ DTYPES: dict[str, torch.dtype] = {
     "U8": torch.uint8, "BOOL": torch.bool,
 }
 _NAME_PART = re.compile(r"^[A-Za-z0-9_.]+$")
+
+
+MAX_HEADER_BYTES = 100 << 20   # safetensors' own limit
+
+
+class SegmentError(ValueError):
+    """A segment or safetensors file whose header is malformed; names the file and tensor."""
 
 
 class GPSMemoryError(MemoryError):
@@ -102,14 +110,59 @@ class Header:
         return cls(probe.tensors, start, metadata)
 
     @classmethod
-    def parse(cls, buf) -> "Header":
+    def parse(cls, buf, size: int | None = None, where: str = "segment") -> "Header":
+        """Parse and validate a safetensors header. `size`: the file's bytes (default: the
+        buffer's). Anything off raises SegmentError naming `where` and the tensor."""
+        size = len(buf) if size is None else size
+        if size < 8:
+            raise SegmentError(f"{where}: {size} bytes, shorter than the 8-byte header length")
         (n,) = struct.unpack_from("<Q", buf, 0)
-        body = json.loads(bytes(buf[8:8 + n]))
-        meta = body.pop("__metadata__", {}) or {}
-        tensors = {k: TensorInfo(k, v["dtype"], tuple(v["shape"]), *v["data_offsets"])
-                   for k, v in body.items()}
-        tensors = dict(sorted(tensors.items(), key=lambda kv: kv[1].start))
-        return cls(tensors, 8 + n, meta)
+        if n > min(size - 8, MAX_HEADER_BYTES):
+            raise SegmentError(f"{where}: header length {n} exceeds the file ({size} bytes)")
+        try:
+            body = json.loads(bytes(buf[8:8 + n]))
+        except (UnicodeDecodeError, ValueError) as e:
+            raise SegmentError(f"{where}: header is not JSON ({e})") from None
+        if not isinstance(body, dict):
+            raise SegmentError(f"{where}: header is not a JSON object")
+        meta = body.pop("__metadata__", None) or {}
+        if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+            raise SegmentError(f"{where}: __metadata__ must map names to strings")
+        tensors = sorted((_tensor_info(where, k, v) for k, v in body.items()),
+                         key=lambda t: (t.start, t.stop))
+        end = 0
+        for t in tensors:
+            if t.start < end:
+                raise SegmentError(f"{where}: tensor {t.name!r} overlaps the one before it "
+                                   f"(starts at {t.start}, previous ends at {end})")
+            end = t.stop
+        if 8 + n + end > size:
+            raise SegmentError(f"{where}: tensors end at {8 + n + end} but the file has "
+                               f"{size} bytes")
+        return cls({t.name: t for t in tensors}, 8 + n, meta)
+
+
+def _tensor_info(where: str, name: str, v) -> TensorInfo:
+    bad = f"{where}: tensor {name!r}"
+    if not isinstance(v, dict):
+        raise SegmentError(f"{bad}: entry is not an object")
+    dtype, shape, offsets = v.get("dtype"), v.get("shape"), v.get("data_offsets")
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise SegmentError(f"{bad}: dtype {dtype!r} is not one of {sorted(DTYPES)}")
+    if not isinstance(shape, list) or not all(type(d) is int and 0 <= d < 1 << 48
+                                              for d in shape):
+        raise SegmentError(f"{bad}: shape {shape!r} must be a list of non-negative ints")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(
+            type(o) is int and 0 <= o < 1 << 62 for o in offsets) and offsets[0] <= offsets[1]):
+        raise SegmentError(f"{bad}: data_offsets {offsets!r} must be [start, stop], "
+                           "0 <= start <= stop")
+    want = itemsize(dtype)
+    for d in shape:
+        want *= d
+    if offsets[1] - offsets[0] != want:
+        raise SegmentError(f"{bad}: {offsets[1] - offsets[0]} bytes for shape {shape} of "
+                           f"{dtype} ({want} bytes)")
+    return TensorInfo(name, dtype, tuple(shape), offsets[0], offsets[1])
 
 
 class Segment:
@@ -120,10 +173,19 @@ class Segment:
         self._u8 = np.frombuffer(mm, dtype=np.uint8)
 
     @classmethod
-    def create(cls, path: Path, header: Header) -> "Segment":
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    def create(cls, path: Path, header: Header,
+               reserve: list[tuple[int, int]] | None = None) -> "Segment":
+        """A new segment file. Its header page and the data ranges `reserve` (default: all)
+        are allocated now (posix_fallocate): a full /dev/shm fails here, with how much is
+        missing, instead of a SIGBUS at the first store into a hole later."""
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW, 0o600)
         try:
             os.ftruncate(fd, header.total_bytes)
+            data = header.total_bytes - header.data_start
+            for a, b in [(-header.data_start, 0), *(reserve if reserve is not None
+                                                     else [(0, data)])]:
+                if b > a:
+                    _reserve(fd, path, header.data_start + a, b - a)
             mm = mmap.mmap(fd, header.total_bytes)
         except BaseException:
             os.close(fd)
@@ -152,7 +214,12 @@ class Segment:
         finally:
             if own:
                 os.close(fd)
-        return cls(path, mm, Header.parse(mm), None)
+        try:
+            header = Header.parse(mm, size, str(path))
+        except SegmentError:
+            mm.close()
+            raise
+        return cls(path, mm, header, None)
 
     @property
     def address(self) -> int:
@@ -179,11 +246,37 @@ class Segment:
             log.debug("segment %s still has live views", self.path)
 
 
+def staging_prefix(job: str, node: str) -> str:
+    """Staging files of a hybrid-layout Read: `<prefix>stage-<pid>-<random>` (issue 11.3)."""
+    return segment_prefix(job, node) + "stage-"
+
+
+def open_own(path: Path, flags: int) -> int:
+    """Open a file of this user only: no symlink followed, a regular file, owned by us."""
+    fd = os.open(path, flags | os.O_NOFOLLOW)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+        os.close(fd)
+        raise PermissionError(f"{path} is not a regular file of uid {os.getuid()} "
+                              f"(uid {st.st_uid}, mode {st.st_mode:o}): refused")
+    return fd
+
+
+def _reserve(fd: int, path: Path, offset: int, length: int) -> None:
+    try:
+        os.posix_fallocate(fd, offset, length)
+    except OSError as e:
+        free = memory_available()[0]
+        raise GPSMemoryError(f"{path.name}: {SHM_DIR} cannot hold {length} more bytes "
+                             f"({length / 2**20:.1f} MiB; {free} bytes free, "
+                             f"{max(0, length - free)} missing): {e.strerror}") from None
+
+
 class RawMap:
     """A writable mapping of a headerless file (a reader's staging buffer)."""
 
     def __init__(self, path: Path):
-        fd = os.open(path, os.O_RDWR)
+        fd = open_own(path, os.O_RDWR)
         try:
             self.mm = mmap.mmap(fd, os.fstat(fd).st_size)
         finally:
@@ -216,9 +309,10 @@ def hf_header(folder: Path, metadata: dict[str, str]) -> tuple[Header, dict[str,
     specs, where = [], {}
     for f in files:
         with open(f, "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
             head = fh.read(8)
-            (n,) = struct.unpack("<Q", head)
-            src = Header.parse(head + fh.read(n))
+            (n,) = struct.unpack("<Q", head) if len(head) == 8 else (0,)
+            src = Header.parse(head + fh.read(min(n, MAX_HEADER_BYTES)), size, str(f))
         for t in src.tensors.values():
             specs.append((t.name, t.dtype, t.shape))
             where[t.name] = (f, src.data_start + t.start)
@@ -269,12 +363,27 @@ def check_memory(needed: int, what: str) -> None:
             f"({SHM_DIR}: {shm} bytes free, host MemAvailable: {host} bytes)")
 
 
+class AgentAliveError(RuntimeError):
+    """The files belong to an agent that is still running: not swept."""
+
+
 def sweep(job: str, node: str | None = None) -> list[str]:
-    """Remove every segment of `job` (on `node`, or all nodes); return the removed names."""
+    """Remove every segment of `job` (on `node`, or all nodes) that this user owns; return
+    the removed names. Refuses (AgentAliveError) while another process's agent still serves
+    one of those nodes: a second run with the same id must not delete the first one's."""
+    from pivotrl_hpc.gps.control import live_agent
+
     prefix = f"pivotrl-{job}-" + (f"{node}-" if node else "")
-    removed = []
+    for ctl in SHM_DIR.glob(prefix + "*ctl"):
+        pid = live_agent(ctl)
+        if pid is not None:
+            raise AgentAliveError(f"GPS agent pid {pid} still serves {ctl.name}: not removing "
+                                  f"its segments (a second run with job id {job!r}?)")
+    removed, uid = [], os.getuid()
     for p in SHM_DIR.glob(prefix + "*"):
         try:
+            if p.lstat().st_uid != uid:
+                continue   # another user's file: neither ours to delete nor fatal
             p.unlink()
             removed.append(p.name)
         except FileNotFoundError:
@@ -284,10 +393,10 @@ def sweep(job: str, node: str | None = None) -> list[str]:
     return removed
 
 
-def default_job() -> str:
-    """The Slurm job id, else a local run id (PIVOTRL_RUN_ID), else `local`."""
-    job = os.environ.get("SLURM_JOB_ID") or os.environ.get("PIVOTRL_RUN_ID") or "local"
-    return re.sub(r"[^A-Za-z0-9_.]", "_", job)
+def default_job() -> str | None:
+    """The Slurm job id, else a local run id (PIVOTRL_RUN_ID), else None (no job known)."""
+    job = os.environ.get("SLURM_JOB_ID") or os.environ.get("PIVOTRL_RUN_ID")
+    return re.sub(r"[^A-Za-z0-9_.]", "_", job) if job else None
 
 
 def default_node() -> str:

@@ -84,7 +84,9 @@ class ModelStore:
             os.rename(seg.path, path)
             seg.path = path
         else:
-            seg = Segment.create(path, self.header)
+            # reserve what this node keeps (all of it, but under the hybrid layout)
+            seg = Segment.create(path, self.header, self.owned_ranges()
+                                 if self.ownership.k > 1 else None)
         self.versions[version] = seg
         return seg
 

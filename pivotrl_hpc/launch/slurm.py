@@ -34,7 +34,7 @@ from pathlib import Path
 from pivotrl_hpc.config.paradigm import normalize
 from pivotrl_hpc.config.validate import check_cpu_shares
 from pivotrl_hpc.launch import cgroup
-from pivotrl_hpc.launch.diagnose import diagnose
+from pivotrl_hpc.launch.diagnose import BAD_INPUT, bad_input, diagnose
 from pivotrl_hpc.launch.layout import (LaunchError, RankLayout, RunPaths, expand_hostlist,
                                        job_ports)
 from pivotrl_hpc.launch.local import (PreparedRun, StderrFollower, free_port_base,
@@ -318,9 +318,7 @@ def run_in_allocation(config: str | Path, overrides: tuple[str, ...] | list[str]
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m pivotrl_hpc.launch.slurm CONFIG [key=value ...]` (pivot.sbatch's body)."""
-    import yaml
-
-    from pivotrl_hpc.config import ConfigError, load_config
+    from pivotrl_hpc.config import load_config
 
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0].startswith("-"):
@@ -330,12 +328,8 @@ def main(argv: list[str] | None = None) -> int:
     _log_to_stderr()
     try:
         run = prepare(load_config(argv[0], argv[1:]), Allocation.from_env())
-    except (ConfigError, LaunchError, cgroup.CgroupError) as e:
-        print(f"pivot.sbatch: error: {e}", file=sys.stderr)
-        return 2
-    except yaml.YAMLError as e:
-        print(f"pivot.sbatch: error: {argv[0]} is not valid YAML: {' '.join(str(e).split())}",
-              file=sys.stderr)
+    except BAD_INPUT as e:
+        print(f"pivot.sbatch: error: {bad_input(e, argv[0])}", file=sys.stderr)
         return 2
     out = execute(run)
     print(f"pivotrl: {out.message}", file=sys.stderr if out.code else sys.stdout, flush=True)
