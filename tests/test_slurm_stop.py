@@ -3,6 +3,7 @@ its `--time` limit (trace readable, no segment in /dev/shm, no rank left, `sacct
 `pivotrl_hpc.submit` from Python (the summary from `job.result()`, a broken config's error)."""
 from __future__ import annotations
 
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -121,3 +122,23 @@ def test_pivotrl_submit_refuses_before_queueing(submitit_env, tiny_models, tmp_p
         assert p.returncode == 2 and p.stderr.startswith("pivotrl submit: ") \
             and message in p.stderr, (extra, p.stderr)
     assert not (tmp_path / "submitit").exists()                # nothing was submitted
+
+
+def test_a_failing_rank_raises_from_result_naming_it(submitit_env, tiny_models, tmp_path,
+                                                     monkeypatch):
+    import pivotrl_hpc
+    from slurm_util import PROGRAMS
+
+    # the controller is swapped for one that fails (tests/programs/launch_ctl.py): the
+    # fault this test injects; the workers, GPS agent and srun world are the real ones
+    monkeypatch.setenv("PIVOTRL_CONTROLLER", "launch_ctl:fails")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [
+        str(PROGRAMS), os.environ.get("PYTHONPATH")])))
+    job = pivotrl_hpc.submit(LEARN, model_overrides(tiny_models), runs_root=tmp_path / "runs",
+                             time=5)
+    with pytest.raises(Exception) as e:
+        job.result()
+    text = str(e.value)
+    assert "SlurmJobError" in text and "rank 0 (GPS agent + controller, node n1), host " in text
+    assert "RuntimeError: test controller failure" in text, text
+    assert job_segments(job.job_id) == []

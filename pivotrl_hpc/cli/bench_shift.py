@@ -2,13 +2,12 @@
 
 One device worker (its GPS node agent in a thread) moves rollout -> reward -> training,
 `--repeat` times; the first cycle, which builds engines and imports code (preserved context
-afterwards), is reported apart from the medians of the warm cycles.
+afterwards), is reported apart from the median warm cycle (its phases add up to its total).
 """
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -38,8 +37,10 @@ def _models(size: str, base: Path) -> dict[str, str]:
 
 
 def _median_phases(runs: list[dict[str, float]]) -> dict[str, float]:
-    keys = sorted({k for r in runs for k in r})
-    return {k: round(statistics.median(r.get(k, 0.0) for r in runs), 4) for k in keys}
+    """The phases of the median warm cycle (by total, the lower one of an even count). Not
+    per-phase medians: those do not add up to their total."""
+    run = sorted(runs, key=lambda r: r["total"])[(len(runs) - 1) // 2]
+    return {k: round(v, 4) for k, v in sorted(run.items())}
 
 
 def bench_size(size: str, base: Path, repeat: int, engine_process: bool = False) -> dict:
