@@ -154,6 +154,8 @@ class ControlBlock:
 
     def state(self, model: str) -> ModelState:
         """Consistent snapshot of a model's versions (seqlock read)."""
+        if not LOCKED:   # the hot path (every pin and wait): no context manager
+            return self._state(model)
         with self._locked(fcntl.LOCK_SH):
             return self._state(model)
 

@@ -10,27 +10,21 @@ import re
 import signal
 from pathlib import Path
 
+import yaml
+
+from pivotrl_hpc.config import ConfigError
+from pivotrl_hpc.launch.cgroup import CgroupError
 from pivotrl_hpc.launch.layout import LaunchError, RankLayout, RunPaths
 
-def bad_input(e: BaseException, config) -> str:
-    """The one line a command prints for input refused before anything starts (the
-    exceptions of BAD_INPUT)."""
-    import yaml
+# config, allocation, cgroups, YAML: input refused before anything starts (exit 2)
+BAD_INPUT = (ConfigError, LaunchError, CgroupError, yaml.YAMLError)
 
+
+def bad_input(e: BaseException, config) -> str:
+    """The one line a command prints for an exception of BAD_INPUT."""
     if isinstance(e, yaml.YAMLError):
         return f"{config} is not valid YAML: {' '.join(str(e).split())}"
     return str(e)
-
-
-def _bad_input_types() -> tuple[type[BaseException], ...]:
-    import yaml
-
-    from pivotrl_hpc.config import ConfigError
-    from pivotrl_hpc.launch.cgroup import CgroupError
-    return ConfigError, LaunchError, CgroupError, yaml.YAMLError
-
-
-BAD_INPUT = _bad_input_types()   # config, allocation, cgroups, YAML: refused, exit 2
 
 # mpirun (Open MPI 4.1)
 _DIED = re.compile(r"process rank (\d+) with PID \d+ on node (\S+) exited on signal (\d+)"

@@ -92,11 +92,17 @@ def prepare(cfg, *, cpu_cap: bool = True, cores: int | None = None,
         env[cgroup.OPT_OUT_ENV] = "off"
     if cgroup.caps_enabled(cfg, env):
         cgroup.check_writable(job)
-    config = to_dict(cfg)
-    config["trace"]["path"] = str(Path(cfg.trace.path).resolve())
-    paths = RunPaths(Path(config["trace"]["path"]))
+    config, paths = resolved_config(cfg, Path(cfg.trace.path))
     command = mpirun_command(mpirun, layout, paths.config_json, sorted(env))
     return PreparedRun(layout, paths, job, env, command, config, warning)
+
+
+def resolved_config(cfg, trace: Path) -> tuple[dict, RunPaths]:
+    """The config every rank reads (as a dict) with its trace at `trace`, and the run files
+    next to that trace."""
+    config = to_dict(cfg)
+    config["trace"]["path"] = str(trace.resolve())
+    return config, RunPaths(Path(config["trace"]["path"]))
 
 
 def mpirun_command(mpirun: str, layout: RankLayout, config_json: Path,

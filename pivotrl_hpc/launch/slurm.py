@@ -38,7 +38,7 @@ from pivotrl_hpc.launch.diagnose import BAD_INPUT, bad_input, diagnose
 from pivotrl_hpc.launch.layout import (LaunchError, RankLayout, RunPaths, expand_hostlist,
                                        job_ports)
 from pivotrl_hpc.launch.local import (PreparedRun, StderrFollower, free_port_base,
-                                      sweep_segments, write_files)
+                                      resolved_config, sweep_segments, write_files)
 
 log = logging.getLogger(__name__)
 
@@ -78,8 +78,11 @@ class Allocation:
                    tuple(detail[n][1] for n in nodes), tuple(detail[n][0] for n in nodes),
                    _distinct_hosts(nodes), Path(env.get("SLURM_SUBMIT_DIR", os.getcwd())))
 
-    def folder_name(self) -> str:
-        return re.sub(r"[^A-Za-z0-9_.-]", "_", f"{self.job_name}-{self.job_id}")
+
+
+def run_folder_name(job_name: str, job_id: str) -> str:
+    """`<job name>-<job id>`, safe as one path component (also for `launch.submit`)."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", f"{job_name}-{job_id}")
 
 
 def _scontrol(*args: str) -> str:
@@ -169,11 +172,8 @@ def prepare(cfg, alloc: Allocation, *, root: str | Path | None = None,
     if cgroup.caps_enabled(cfg, env):
         cgroup.check_writable(alloc.job_id)
     layout = RankLayout(cfg.cluster.nodes, cfg.cluster.devices_per_node, alloc.nodes)
-    folder = runs_root(env, alloc, root) / alloc.folder_name()
-    from pivotrl_hpc.config import to_dict
-    config = to_dict(cfg)
-    config["trace"]["path"] = str((folder / Path(cfg.trace.path).name).resolve())
-    paths = RunPaths(Path(config["trace"]["path"]))
+    folder = runs_root(env, alloc, root) / run_folder_name(alloc.job_name, alloc.job_id)
+    config, paths = resolved_config(cfg, folder / Path(cfg.trace.path).name)
     run_env = {"PIVOTRL_PORT_BASE": str(free_port_base(job_ports(len(layout.devices)))),
                "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1")}
     cpus = min(alloc.cpus) // layout.ranks_per_node

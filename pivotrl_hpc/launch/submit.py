@@ -72,7 +72,9 @@ def _check_request(cfg, nodes: int, gpus_per_node: int) -> None:
 
 def run_folder(job, runs_root: str | Path = DEFAULT_ROOT, job_name: str = JOB_NAME) -> Path:
     """Where the job's trace, summary and logs go (known once it is submitted)."""
-    return Path(runs_root).resolve() / f"{job_name}-{job.job_id}"
+    from pivotrl_hpc.launch.slurm import run_folder_name
+
+    return Path(runs_root).resolve() / run_folder_name(job_name, job.job_id)
 
 
 def environment_note() -> str | None:
