@@ -13,6 +13,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def shm_entries() -> set[Path]:
+    """pivotrl's entries in /dev/shm (vLLM's TP communicators) and in this user's GPS folder."""
+    from pivotrl_hpc.gps.shmdir import SHM_DIR
+    return set(Path("/dev/shm").glob("pivotrl-tp*")) | set(SHM_DIR.glob("pivotrl-*"))
+
+
 def model_overrides(models: Path) -> list[str]:
     return [f"models.policy.path={models / 'policy'}", f"models.genrm.path={models / 'genrm'}",
             f"data.train={models / 'data' / 'train.jsonl'}",
@@ -27,7 +33,7 @@ def run_job(config: str, models: Path, trace: Path, overrides: list[str],
 
     cmd = [sys.executable, "-m", "pivotrl_hpc.cli.main", "run", str(ROOT / "configs" / config),
            *model_overrides(models), f"trace.path={trace}", *overrides]
-    before = set(Path("/dev/shm").glob("pivotrl-*"))
+    before = shm_entries()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "UCX_MODULES": "^ib,rdmacm"})
     seen: list[int] = []
@@ -49,7 +55,7 @@ def run_job(config: str, models: Path, trace: Path, overrides: list[str],
         raise AssertionError(f"{config} {overrides} did not finish in {timeout_s:.0f} s:\n"
                              + output[-4000:])
     assert proc.returncode == 0, output[-4000:]
-    left = set(Path("/dev/shm").glob("pivotrl-*")) - before
+    left = shm_entries() - before
     return {"trace": trace, "output": output, "seen": seen, "left": left,
             "summary": json.loads(trace.with_suffix(".summary.json").read_text())}
 

@@ -167,5 +167,6 @@ def sacct_states(cluster: SlurmCluster, job: str, want: str | None = None) -> di
 
 
 def job_segments(job: str) -> list[str]:
-    """The job's GPS segments in /dev/shm (named pivotrl-<job id>-<node>-...)."""
-    return sorted(p.name for p in Path("/dev/shm").glob(f"pivotrl-{job}-*"))
+    """The job's GPS segments (named pivotrl-<job id>-<node>-..., in this user's shm folder)."""
+    from pivotrl_hpc.gps.shmdir import job_files
+    return [p.name for p in job_files(job)]

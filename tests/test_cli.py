@@ -161,16 +161,21 @@ def test_doctor_json_shape():
 
 
 def _subtotals_consistent(phases: dict[str, float]) -> None:
-    """Phases are disjoint parts of `total`; an `X.total` key sums the `X.*` parts. Values
-    are rounded to 0.1 ms, hence the slack."""
+    """Phases are disjoint intervals inside `total`, and the `X.*` parts inside `X.total`:
+    each sum is at most its total (the rest is time no phase names, e.g. the trainer's log
+    line after a reload: 1.1 ms on a loaded machine). Values are rounded to 0.1 ms: each
+    may be off by 0.05 ms."""
+    def at_most(parts: list[float], total: float) -> bool:
+        return sum(parts) <= total + 5e-5 * (len(parts) + 1)
+
     groups = {k[:-len(".total")] for k in phases if k.endswith(".total")}
     for g in groups:
         parts = [v for k, v in phases.items() if k.startswith(g + ".") and k != g + ".total"]
-        assert phases[g + ".total"] == pytest.approx(sum(parts), abs=1e-3), g
+        assert parts and at_most(parts, phases[g + ".total"]), (g, phases)
     top = [v for k, v in phases.items()
            if k != "total" and not any(k.startswith(g + ".") and k != g + ".total"
                                        for g in groups)]
-    assert sum(top) <= phases["total"] + 1e-3
+    assert at_most(top, phases["total"]), phases
 
 
 @pytest.mark.slow

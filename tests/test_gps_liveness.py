@@ -1,6 +1,6 @@
 """GPS under faults (issue 11): a client whose agent is gone gets GPSUnavailable within 5 s
 without spinning; a failed pin frees its version; another account cannot use the agent or
-make a client read planted files; idle connections and a client that never reads its
+make a client read planted files, nor put anything in the user's GPS folder; idle connections and a client that never reads its
 replies do not stop the agent serving the job."""
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -247,6 +248,48 @@ def test_sweep_leaves_another_users_files(other_user):
         theirs.unlink(missing_ok=True)
 
 
+# ---- this user's 0700 folder (issue 11.2) ----------------------------------------------------------
+def _as_other(other_user, code: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["/usr/bin/python3", "-c", code, *args], user=other_user.pw_uid,
+                          group=other_user.pw_gid, capture_output=True, text=True, timeout=60)
+
+
+def test_another_account_cannot_create_anything_in_the_gps_folder(tiny_models, other_user):
+    with local_agent({"policy": str(tiny_models / "policy")}) as agent:
+        assert oct(os.lstat(SHM_DIR).st_mode & 0o777) == "0o700"
+        planted = SHM_DIR / f"pivotrl-{agent.job}-{agent.node}-policy-v1"
+        p = _as_other(other_user, "import sys; open(sys.argv[1], 'wb')", str(planted))
+        assert "PermissionError" in p.stderr, p.stderr
+        assert not planted.exists()
+
+
+def _serve(root, tiny_models, job: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pivotrl_hpc.cli.main", "gps", "serve",
+                           "--job", job, "--node", "n0", "--model",
+                           f"policy={tiny_models / 'policy'}"], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PIVOTRL_SHM_DIR": str(root)})
+
+
+@pytest.mark.parametrize("planted", ["folder", "symlink"])
+def test_a_gps_folder_planted_by_another_account_is_refused(tiny_models, other_user, planted):
+    import shutil
+    import tempfile
+    root = Path(tempfile.mkdtemp(prefix="pivotrl-shmroot-", dir="/tmp"))
+    try:
+        os.chmod(root, 0o1777)   # a shared shm file system, as /dev/shm is
+        mine = root / SHM_DIR.name
+        code = ("import os, sys; os.mkdir(sys.argv[1], 0o755)" if planted == "folder" else
+                "import os, sys; os.symlink('/tmp', sys.argv[1])")
+        assert _as_other(other_user, code, str(mine)).returncode == 0
+        p = _serve(root, tiny_models, f"planted{os.getpid()}")
+        assert p.returncode != 0
+        kind = {"folder": "a folder", "symlink": "a symlink"}[planted]
+        assert f"{mine} is {kind} of uid {other_user.pw_uid}" in p.stderr, p.stderr[-2000:]
+        assert "not a 0700 folder of uid 0" in p.stderr and "Traceback" not in p.stderr
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 # ---- a full /dev/shm ----------------------------------------------------------------------------
 @pytest.fixture
 def small_shm(tmp_path):
@@ -284,7 +327,8 @@ def test_a_write_into_a_full_shm_fails_with_the_figure_and_keeps_the_last_versio
     finally:
         agent.send_signal(signal.SIGTERM)
         agent.wait(30)
-    assert sorted(p.name for p in small_shm.iterdir()) == ["ballast"]
+    assert sorted(p.name for p in small_shm.iterdir()) == ["ballast", SHM_DIR.name]
+    assert not list((small_shm / SHM_DIR.name).iterdir())
 
 
 FULL_WRITE = r"""

@@ -19,6 +19,7 @@ import yaml
 
 from pivotrl_hpc.config import ConfigError, load_config
 from pivotrl_hpc.config.validate import check_cpu_shares
+from pivotrl_hpc.gps.shmdir import job_files
 from pivotrl_hpc.launch import cgroup
 from pivotrl_hpc.launch.layout import (AGENT, WORKER, LaunchError, RankLayout, check_placement,
                                        expand_hostlist, node_names)
@@ -238,7 +239,7 @@ class Job:
 
 
 def _leftovers(job: str) -> list[str]:
-    shm = [p.name for p in Path("/dev/shm").glob(f"pivotrl-{job}-*")]
+    shm = [p.name for p in job_files(job)]
     groups = [str(p) for p in Path("/sys/fs/cgroup/cpu").glob(f"pivotrl-{job}*")]
     return shm + groups
 
@@ -260,6 +261,22 @@ def test_start_query_shutdown_caps_applied(tiny_models, tmp_path):
     assert sorted(p.name for p in logs.glob("rank-*.log")) == [f"rank-{r}.log" for r in range(6)]
     assert "worker of device 3 serving" in (logs / "rank-5.log").read_text()
     print(f"start + query + stop of a 2 x 2 job: {seconds:.1f} s")
+
+
+def test_two_runs_at_once_on_one_machine_both_complete(tiny_models, tmp_path):
+    """Issue 11.11: each run has its own id, GPS files, ports and cgroups."""
+    jobs = []
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        jobs.append(Job(_cfg(tiny_models, tmp_path / name, nodes=1),
+                        _env(tmp_path / name, "query_all"), "roles.train_devices=2"))
+    rcs = [job.finish() for job in jobs]
+    assert rcs == [0, 0], [job.stderr[-2000:] for job in jobs]
+    assert jobs[0].job != jobs[1].job
+    for name, job in zip("ab", jobs):
+        summary = json.loads((tmp_path / name / "out" / "job.summary.json").read_text())
+        assert summary["world"] == 3 and summary["shutdown"] == {"0": True, "1": True}
+        assert _leftovers(job.job) == []
 
 
 def test_sigterm_mid_run_stops_in_order(tiny_models, tmp_path):

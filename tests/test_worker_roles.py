@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from pivotrl_hpc.gps.shmdir import job_files
+
 PROGRAMS = Path(__file__).parent / "programs"
 ENV = dict(os.environ, UCX_MODULES="^ib,rdmacm", OMP_NUM_THREADS="1")
 
@@ -132,7 +134,7 @@ def test_failed_command_names_the_sequences_held(report):
 def test_no_shared_memory_left_behind(report):
     # The agent's own shutdown is checked before any sweep: gps.local.local_agent raises
     # AgentLeakError (the program then writes no report) if it left a segment.
-    assert not list(Path("/dev/shm").glob(f"pivotrl-{report['job']}-*"))
+    assert not job_files(report["job"])
 
 
 def test_shift_phases_are_named_by_context_kind(report):

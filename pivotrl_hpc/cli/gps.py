@@ -33,8 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from pivotrl_hpc.gps.segment import (SHM_DIR, AgentAliveError, default_job, default_node,
-                                         sweep)
+    from pivotrl_hpc.gps.segment import (SHM_DIR, AgentAliveError, SegmentError, default_job,
+                                         default_node, sweep)
 
     if args.gps_cmd == "clean":
         if args.all:
@@ -74,7 +74,12 @@ def main(args: argparse.Namespace) -> int:
                       models=models, transport=args.transport,
                       budget_bytes=int(args.budget_mb * 2**20) if args.budget_mb else None)
     agent = NodeAgent(cfg, comm)
-    agent.start()
+    try:
+        agent.start()
+    except (PermissionError, MemoryError, AgentAliveError, SegmentError) as e:
+        agent.close()
+        print(f"pivotrl gps serve: {e}", file=sys.stderr)
+        return 2
     log.info("GPS agent %s/%s ready", cfg.job, cfg.node)
     agent.serve_forever()
     return 0

@@ -13,12 +13,15 @@ Then a single-threaded event loop, so no step ever blocks in C for long (a SIGTE
   workers map the published version directly (control.py).
 - agents talk to each other over an MPI communicator (one rank per node, tag CTRL_TAG):
   `segment` (address of a new version's segment), `have` (byte ranges a node's writers wrote),
-  `published`, `bye`, and the MPI transport's `mpi_get`.
+  `published`, `released` (versions no reader of a node pins any more), `write_failed`, `bye`,
+  and the MPI transport's `mpi_get` / `mpi_nack`.
 
-Write of version v: writers fill the new segment on their node and report the ranges; once the
-union of all nodes' ranges covers the model, every agent plans the all-to-all (plan.py) and
-pulls the ranges it lacks from the holders, publishes v locally, and tells the others. When
-every node has published, the writers' handles complete.
+What moves between nodes (a Write's replication, the remote part of a hybrid-layout Read) is
+replication.py; old versions are retired by `_collect` (store.py says how).
+
+Signals: the agent installs its SIGTERM/SIGINT/SIGHUP handlers only on the main thread (Python
+runs handlers there only). Hosted in a thread (launch/entry.py), the host's main thread owns
+the signals and calls `close()`; `atexit` covers a host that simply returns.
 """
 from __future__ import annotations
 
@@ -31,14 +34,16 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pivotrl_hpc.gps import control
+from pivotrl_hpc.gps import control, shmdir
 from pivotrl_hpc.gps.conns import ClientSocket, Conn
+from pivotrl_hpc.gps.fetch import ReadFetch
 from pivotrl_hpc.gps.layout import choose_group_size
-from pivotrl_hpc.gps.plan import LinkModel, PlanCache, Range, assign, merge_ranges, refine
-from pivotrl_hpc.gps.segment import (SHM_DIR, RawMap, check_memory, hf_header, load_into,
-                                     memory_available, segment_prefix, staging_prefix, sweep)
+from pivotrl_hpc.gps.plan import LinkModel, PlanCache, merge_ranges
+from pivotrl_hpc.gps.replication import Transfers, _Write
+from pivotrl_hpc.gps.segment import (SHM_DIR, check_memory, hf_header, load_into,
+                                     memory_available, segment_prefix, sweep)
 from pivotrl_hpc.gps.store import ModelStore
-from pivotrl_hpc.gps.transport import CTRL_TAG, Pending, make_transport
+from pivotrl_hpc.gps.transport import CTRL_TAG, make_transport
 
 log = logging.getLogger(__name__)
 
@@ -62,24 +67,7 @@ class AgentConfig:
     load_threads: int = 4
 
 
-@dataclass
-class _Write:
-    model: str
-    version: int
-    holders: dict[int, list[Range]] = field(default_factory=dict)
-    fetches: list[Pending] | None = None
-    # node index -> seconds from this agent's first sight of the Write to its publication
-    published: dict[int, float] = field(default_factory=dict)
-    waiters: list[Conn] = field(default_factory=list)
-    deferred: bool = False
-    t0: float = field(default_factory=time.monotonic)
-
-
-def _data_len(store: ModelStore) -> int:
-    return store.header.total_bytes - store.header.data_start
-
-
-class NodeAgent:
+class NodeAgent(Transfers):
     def __init__(self, cfg: AgentConfig, comm=None):
         self.cfg, self.comm = cfg, comm
         self.index = comm.rank if comm is not None else 0
@@ -91,13 +79,16 @@ class NodeAgent:
         self.ctl: control.ControlBlock | None = None
         self.transport = None
         self.clients: ClientSocket | None = None
-        self._fetches: list[tuple[Conn, list[Pending], RawMap]] = []
+        self._fetches: list[ReadFetch] = []
+        # (model, version) -> nodes whose readers released it (hybrid layout, store.collect)
+        self._released: dict[tuple[str, int], set[int]] = {}
         self._byes: set[int] = set()
         self._stopping = False
         self.closed = False
 
     # ---- start-up -------------------------------------------------------------------------
     def start(self) -> None:
+        shmdir.ensure()   # this user's 0700 folder, or a clear refusal
         sweep(self.cfg.job, self.cfg.node)
         # also when the hosting process ends without serve_forever's cleanup (an exception,
         # or the agent in a daemon thread of a process that simply returns)
@@ -176,11 +167,24 @@ class NodeAgent:
             self.transport.progress()
         self._advance_writes()
         self._advance_fetches()
-        for store in self.stores.values():
-            retire = None if self.transport is None else \
-                (lambda v, m=store.model: self.transport.withdraw((m, v)))
-            store.collect(self.ctl, on_retire=retire)
+        self._collect()
         return busy or bool(self._fetches) or bool(self.writes)
+
+    def _collect(self) -> None:
+        """Retire old versions. Under the hybrid layout on several nodes a version's memory
+        stays until every node released it: another node's reader may pin it and fetch this
+        node's tensors of it (the NIXL READs are one-sided: this node would never know)."""
+        for store in self.stores.values():
+            m = store.model
+            shared = self.comm is not None and store.ownership.k > 1
+            retire = None if self.transport is None else \
+                (lambda v, m=m: (self.transport.withdraw((m, v)), self._released.pop((m, v), 0)))
+            freeable = (lambda v, m=m: len(self._released.get((m, v), ())) == self.n_nodes) \
+                if shared else None
+            for v in (released := store.collect(self.ctl, on_retire=retire, freeable=freeable)):
+                self._released.setdefault((m, v), set()).add(self.index)
+            if shared and released:
+                self._broadcast({"op": "released", "model": m, "versions": released})
 
     def _poll_clients(self, timeout: float) -> bool:
         return self.clients.poll(timeout, self._handle_client)
@@ -263,135 +267,21 @@ class NodeAgent:
         elif op == "published":
             w = self._write_for(msg["model"], msg["version"])
             w.published[src] = time.monotonic() - w.t0
+        elif op == "released":
+            for v in msg["versions"]:
+                self._released.setdefault((msg["model"], v), set()).add(src)
+        elif op == "write_failed":
+            w = self.writes.get((msg["model"], msg["version"]))
+            if w is not None:
+                self._fail_write(w, msg["error"], tell_peers=False)
         elif op == "mpi_get":
             self.transport.serve(src, msg)
+        elif op == "mpi_nack":
+            self.transport.nack(msg)
         elif op == "bye":
             self._byes.add(src)
         else:
             log.error("unknown peer message %r from agent %d", op, src)
-
-    def _write_for(self, model: str, version: int | None) -> _Write:
-        store = self.stores[model]
-        if version is None:  # the pending write of this model, or the next version
-            pending = [w for (m, _), w in self.writes.items()
-                       if m == model and self.index not in w.published]
-            version = pending[0].version if pending else (store.current or 0) + 1
-        w = self.writes.get((model, version))
-        if w is None and store.current is not None and version <= store.current:
-            raise ValueError(f"{model} v{version} is already published on {self.cfg.node}; "
-                             f"one Write per model at a time, each after the previous completed")
-        if w is None:
-            store.new_version(version)   # first: a GPSMemoryError leaves no Write behind
-            w = self.writes[(model, version)] = _Write(model, version)
-            if self.comm is not None:
-                info = self._expose(model, version)
-                self._broadcast({"op": "segment", "model": model, "version": version,
-                                 "info": info})
-        return w
-
-    # ---- replication of a Write --------------------------------------------------------------
-    def _advance_writes(self) -> None:
-        for key, w in list(self.writes.items()):
-            store = self.stores[w.model]
-            if w.fetches is None and self._covered(w):
-                w.fetches = self._replicate(w)
-            if w.fetches is not None and self.index not in w.published \
-                    and all(p.done() for p in w.fetches) and self._room(store, w):
-                store.publish(self.ctl, w.version)
-                w.published[self.index] = time.monotonic() - w.t0
-                if self.comm is not None:
-                    self._broadcast({"op": "published", "model": w.model, "version": w.version})
-                log.info("GPS %s v%d published on %s", w.model, w.version, self.cfg.node)
-            if len(w.published) == self.n_nodes:
-                store.drop_unowned(w.version)
-                done = {"op": "replicated", "model": w.model, "version": w.version,
-                        "bytes": _data_len(store),
-                        "published_s": {str(n): s for n, s in sorted(w.published.items())}}
-                for conn in w.waiters:
-                    self._reply(conn, done)
-                del self.writes[key]
-
-    def _room(self, store: ModelStore, w: _Write) -> bool:
-        """A free live slot in the control block; else wait until a reader releases a pin."""
-        if len(store.live()) < control.MAX_LIVE:
-            return True
-        if not w.deferred:
-            w.deferred = True
-            log.warning("GPS %s v%d waits on %s: %d older versions are pinned by readers",
-                        w.model, w.version, self.cfg.node, len(store.live()))
-        return False
-
-    def _covered(self, w: _Write) -> bool:
-        data_len = _data_len(self.stores[w.model])
-        union = merge_ranges([r for rs in w.holders.values() for r in rs])
-        return union == [(0, data_len)]
-
-    def _replicate(self, w: _Write) -> list[Pending]:
-        """Plan the all-to-all for this version and start pulling what this node lacks."""
-        store = self.stores[w.model]
-        holders = {n: list(rs) for n, rs in sorted(w.holders.items())}
-        signature = ("write", w.model, tuple((n, tuple(rs)) for n, rs in holders.items()),
-                     self.n_nodes, store.ownership.k)
-
-        def build():
-            targets = {n: store.owned_ranges(n) for n in range(self.n_nodes)}
-            return assign(refine(holders, targets), self.cfg.links)
-
-        plan = self.plans.get(signature, build)
-        seg = store.versions[w.version]
-        return self._pull(w.model, w.version, [t for t in plan if t.dst == self.index],
-                          lambda a, b: seg.bytes_view(a, b), seg.header.data_start)
-
-    def _pull(self, model: str, version: int, transfers, local_view, data_start: int):
-        by_src: dict[int, list] = {}
-        for t in transfers:
-            by_src.setdefault(t.src, []).append((data_start + t.start, local_view(t.start, t.stop)))
-        return [self.transport.fetch(src, (model, version), self.seg_info[(src, model, version)],
-                                     pieces) for src, pieces in sorted(by_src.items())]
-
-    # ---- remote part of a Read under the hybrid layout --------------------------------------
-    def _start_fetch(self, conn: Conn, msg: dict) -> None:
-        """Pull `items` (data byte ranges of `version`) into the client's staging segment."""
-        model, version = msg["model"], msg["version"]
-        store = self.stores[model]
-        items = [tuple(r) for r in msg["items"]]
-        dest = RawMap(self._staging_file(msg["dest"]))
-        dest_off, pos = {}, 0
-        for a, b in items:
-            dest_off[a] = (pos, b)
-            pos += b - a
-        holders = {n: store.owned_ranges(n) for n in range(self.n_nodes)}
-        signature = ("read", model, msg.get("place"), tuple(items), self.index)
-        plan = self.plans.get(signature, lambda: assign(
-            refine(holders, {self.index: items}), self.cfg.links))
-
-        def view(a: int, b: int):
-            start = max(x for x in dest_off if x <= a)
-            off = dest_off[start][0] + (a - start)
-            return dest._u8[off: off + (b - a)]
-
-        pending = self._pull(model, version, plan, view, store.header.data_start) \
-            if plan else []
-        self._fetches.append((conn, pending, dest))
-
-    def _staging_file(self, dest: str) -> Path:
-        """Only this job's own staging files: the agent maps `dest` read-write."""
-        path = Path(dest)
-        if path.parent != SHM_DIR or not path.name.startswith(
-                staging_prefix(self.cfg.job, self.cfg.node)):
-            raise PermissionError(f"fetch into {dest!r} refused: not a staging file of job "
-                                  f"{self.cfg.job} on {self.cfg.node}")
-        return path
-
-    def _advance_fetches(self) -> None:
-        still = []
-        for conn, pending, dest in self._fetches:
-            if all(p.done() for p in pending):
-                dest.close()
-                self._reply(conn, {"op": "fetched", "bytes": sum(p.nbytes for p in pending)})
-            else:
-                still.append((conn, pending, dest))
-        self._fetches = still
 
     # ---- shutdown -------------------------------------------------------------------------
     def close(self) -> None:

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from pivotrl_hpc.gps import control
+from pivotrl_hpc.gps import control, shmdir
 from pivotrl_hpc.gps.control import GPSUnavailable
 from pivotrl_hpc.gps.agent import control_path, socket_address
 from pivotrl_hpc.gps.convert import megatron_shard_to_hf_slices
@@ -36,12 +36,18 @@ from pivotrl_hpc.gps.layout import (VOCAB_PARALLEL, ParallelPlace, byte_ranges,
                                     covering_range, hybrid_owner, target_index)
 from pivotrl_hpc.gps.plan import merge_ranges
 from pivotrl_hpc.gps.segment import (DTYPES, SHM_DIR, Header, Segment, itemsize, segment_name,
-                                     open_own, staging_prefix)
+                                     open_own, reserve_file, staging_prefix)
 from pivotrl_hpc.gps.shapes import ModelShape
 from pivotrl_hpc.gps.tensors import copy_into as _copy
 from pivotrl_hpc.gps.tensors import to_megatron
 
 log = logging.getLogger(__name__)
+
+NOTICES = ("replicated", "write_failed")   # a Write's end, sent to its writers unasked
+
+
+class GPSWriteError(RuntimeError):
+    """A Write the agents could not replicate to every node (fetch.TransferError there)."""
 
 
 class Pin:
@@ -74,6 +80,7 @@ class WriteHandle:
     def done(self) -> bool:
         if not self._done and self.client is not None:
             self._done = self.client._take_replicated(self.model, self.version, timeout=0.0)
+            self._check()
         return self._done or self.client is None
 
     def wait(self, timeout: float = 300.0) -> int:
@@ -81,8 +88,16 @@ class WriteHandle:
             if not self.client._take_replicated(self.model, self.version, timeout=timeout):
                 raise TimeoutError(f"Write of {self.model} v{self.version} not replicated "
                                    f"after {timeout} s")
+            self._check()
             self._done = True
         return self.version
+
+    def _check(self) -> None:
+        notice = self.client._notices.get((self.model, self.version), {}) if self.client \
+            else {}
+        if "error" in notice:
+            raise GPSWriteError(f"Write of {self.model} v{self.version} failed: "
+                                f"{notice['error']}")
 
     def replication(self) -> dict:
         """After `wait`: the data bytes of the version and, per node index, the seconds from
@@ -117,6 +132,7 @@ class GPSClient:
         path = control_path(job, node)
         while True:
             try:
+                shmdir.check()   # never trust files in a folder others could write
                 self.ctl = control.ControlBlock(path)
                 break
             except (FileNotFoundError, RuntimeError, ValueError):
@@ -272,6 +288,7 @@ class GPSClient:
         fd = os.open(stage, os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_RDWR, 0o600)
         try:
             os.ftruncate(fd, total)
+            reserve_file(fd, stage, 0, total)   # a full shm: GPSMemoryError, not a SIGBUS
             self._request({"op": "fetch", "model": model, "version": pin.version,
                            "items": items, "dest": str(stage)}, "fetched")
             raw = torch.frombuffer(bytearray(os.pread(fd, total, 0)), dtype=torch.uint8)
@@ -320,18 +337,27 @@ class GPSClient:
             raise ValueError(f"unknown layout {layout!r} (hf or megatron)")
         reply = self._request({"op": "begin_write", "model": model}, "begin_write")
         version = reply["version"]
-        seg = Segment.attach(Path(reply["path"]), writable=True,
-                             populate=self.ctl.group_size == 1)
-        ranges = []
+        fd = open_own(Path(reply["path"]), os.O_RDWR)
         try:
-            for name, index, values in slices:
-                info = seg.header.tensors[name]
-                _copy(seg.tensor(name)[index], values)
-                ranges += byte_ranges(info, index, itemsize(info.dtype))
+            seg = Segment.attach(Path(reply["path"]), fd=fd, writable=True,
+                                 populate=self.ctl.group_size == 1)
+            try:
+                infos = seg.header.tensors
+                ranges = merge_ranges([r for name, index, _ in slices for r in byte_ranges(
+                    infos[name], index, itemsize(infos[name].dtype))])
+                if self.ctl.group_size > 1:
+                    # The agent reserved only this node's own tensors (hybrid layout); the
+                    # rest of this shard stays until every node has the version. Reserve it
+                    # now: a full /dev/shm fails here with the figure, not with a SIGBUS.
+                    seg.reserve(fd, ranges)
+                for name, index, values in slices:
+                    _copy(seg.tensor(name)[index], values)
+            finally:
+                seg.close()
         finally:
-            seg.close()
+            os.close(fd)
         self._request({"op": "written", "model": model, "version": version,
-                       "ranges": merge_ranges(ranges)}, "written")
+                       "ranges": ranges}, "written")
         return WriteHandle(self, model, version)
 
     # ---- socket ------------------------------------------------------------------------------
@@ -360,8 +386,8 @@ class GPSClient:
         self._connect().sendall(json.dumps(msg).encode() + b"\n")
         while True:
             reply = self._recv_msg(None)
-            if reply["op"] == "replicated":
-                self._notices[reply["model"], reply["version"]] = reply
+            if reply["op"] in NOTICES:
+                self._notice(reply)
             elif reply["op"] == "error":
                 raise RuntimeError(f"GPS agent: {reply['error']}")
             elif reply["op"] == expect:
@@ -376,9 +402,12 @@ class GPSClient:
                 if left <= 0:
                     return False
                 continue
-            if reply["op"] == "replicated":
-                self._notices[reply["model"], reply["version"]] = reply
+            if reply["op"] in NOTICES:
+                self._notice(reply)
         return True  # notices stay: several handles of one client may share a version
+
+    def _notice(self, reply: dict) -> None:
+        self._notices[reply["model"], reply["version"]] = reply
 
     def _ping(self) -> dict:
         if self._node_index is None:

@@ -27,10 +27,11 @@ import numpy as np
 import torch
 
 from pivotrl_hpc.gps.layout import TensorInfo
+from pivotrl_hpc.gps.shmdir import ROOT as SHM_ROOT
+from pivotrl_hpc.gps.shmdir import SHM_DIR
 
 log = logging.getLogger(__name__)
 
-SHM_DIR = Path(os.environ.get("PIVOTRL_SHM_DIR", "/dev/shm"))
 _ALIGN = 4096  # data start on a page boundary: tensors then start where safetensors puts them
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -185,7 +186,7 @@ class Segment:
             for a, b in [(-header.data_start, 0), *(reserve if reserve is not None
                                                      else [(0, data)])]:
                 if b > a:
-                    _reserve(fd, path, header.data_start + a, b - a)
+                    reserve_file(fd, path, header.data_start + a, b - a)
             mm = mmap.mmap(fd, header.total_bytes)
         except BaseException:
             os.close(fd)
@@ -220,6 +221,13 @@ class Segment:
             mm.close()
             raise
         return cls(path, mm, header, None)
+
+    def reserve(self, fd: int, ranges: list[tuple[int, int]]) -> None:
+        """Allocate data ranges [a, b) of this segment (open as `fd`) now: a GPSMemoryError
+        naming the missing bytes if shm is full."""
+        for a, b in ranges:
+            if b > a:
+                reserve_file(fd, self.path, self.header.data_start + a, b - a)
 
     @property
     def address(self) -> int:
@@ -262,7 +270,7 @@ def open_own(path: Path, flags: int) -> int:
     return fd
 
 
-def _reserve(fd: int, path: Path, offset: int, length: int) -> None:
+def reserve_file(fd: int, path: Path, offset: int, length: int) -> None:
     try:
         os.posix_fallocate(fd, offset, length)
     except OSError as e:
@@ -343,7 +351,7 @@ def load_into(seg: Segment, where: dict[str, tuple[Path, int]], names: set[str] 
 
 def memory_available() -> tuple[int, int]:
     """(free bytes in the shm filesystem, MemAvailable bytes of the host)."""
-    st = os.statvfs(SHM_DIR)
+    st = os.statvfs(SHM_ROOT)
     shm = st.f_bavail * st.f_frsize
     host = shm
     with open("/proc/meminfo") as fh:

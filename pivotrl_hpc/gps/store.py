@@ -2,8 +2,9 @@
 
 The node agent owns a `ModelStore` per model. A version's segment is created (or recycled from
 a retired version of the same model: its pages are already touched, so writing runs at memory
-speed instead of page-fault speed), filled, then published in the control block. Retired
-versions are freed or recycled only when no reader pins them (see control.py).
+speed instead of page-fault speed), filled, then published in the control block. Old versions
+are released when no reader pins them (see control.py), and freed or recycled once no other
+node may still read them (`collect`).
 """
 from __future__ import annotations
 
@@ -48,6 +49,7 @@ class ModelStore:
     versions: dict[int, Segment] = field(default_factory=dict)
     current: int | None = None
     spare: list[Segment] = field(default_factory=list)
+    retiring: set[int] = field(default_factory=set)  # released, memory kept for other nodes
 
     @classmethod
     def from_folder(cls, model: str, folder: Path, job: str, node: str, node_index: int,
@@ -92,7 +94,7 @@ class ModelStore:
 
     def live(self) -> tuple[int, ...]:
         return tuple(sorted(v for v in self.versions if self.current is not None
-                            and v <= self.current))
+                            and v <= self.current and v not in self.retiring))
 
     def publish(self, ctl: control.ControlBlock, version: int) -> None:
         """Make `version` current on this node."""
@@ -104,41 +106,57 @@ class ModelStore:
         if self.ownership.k > 1 and version in self.versions:
             self._drop_unowned(self.versions[version])
 
-    def collect(self, ctl: control.ControlBlock, keep_spare: int = 1,
-                on_retire=None) -> list[int]:
-        """Free or recycle every old version no reader pins; return the versions retired.
+    def collect(self, ctl: control.ControlBlock, keep_spare: int = 1, on_retire=None,
+                freeable=None) -> list[int]:
+        """Retire every old version no local reader pins; return the versions released now.
 
-        `on_retire(version)` runs before the memory goes (e.g. to deregister it from NIXL)."""
-        retired = []
-        # Hybrid layout: readers on other nodes fetch from this node's copy without pinning
-        # it, so the previous version stays until the next one replaces the current (a Read
-        # pinned at v then has a whole RL step, until v+2 is published, to finish).
-        keep_from = None if self.current is None else self.current - (self.ownership.k > 1)
+        Retiring has two steps. *Release* takes the version off the live list (under the
+        segment's exclusive lock, so no pin holds it and none can take it after: `pin`
+        re-checks the list under its shared lock). *Free* recycles or unlinks its memory,
+        once `freeable(v)` (default: at once). Under the hybrid layout readers on other
+        nodes fetch this node's tensors of versions *they* pin, unseen by this node's
+        locks, so the agent frees a version only when every node of the job has released
+        it (issue 11.9). `on_retire(version)` runs before the memory goes (NIXL
+        deregistration)."""
+        released = []
         for v in sorted(self.versions):
-            if keep_from is None or v >= keep_from:
+            if self.current is None or v >= self.current or v in self.retiring:
                 continue
             seg = self.versions[v]
             if not control.try_lock_exclusive(seg.fd):
                 continue  # pinned by a reader: try again later
             try:
-                del self.versions[v]
+                self.retiring.add(v)
                 ctl.publish(self.model, self.current, self.live())
-                if on_retire is not None:
-                    on_retire(v)
-                if len(self.spare) < keep_spare:
-                    spare_path = SHM_DIR / (self.path(v).name + ".spare")
-                    os.rename(seg.path, spare_path)
-                    seg.path = spare_path
-                    self.spare.append(seg)
-                else:
-                    seg.path.unlink(missing_ok=True)
             finally:
                 control.unlock(seg.fd)
-            if seg not in self.spare:
-                os.close(seg.fd)
-                seg.close()
-            retired.append(v)
-        return retired
+            released.append(v)
+        for v in sorted(self.retiring):
+            if freeable is None or freeable(v):
+                if on_retire is not None:
+                    on_retire(v)
+                self._free(v, keep_spare)
+        return released
+
+    def _free(self, v: int, keep_spare: int) -> None:
+        if len(self.spare) >= keep_spare:
+            self.drop(v)
+            return
+        seg = self.versions.pop(v)
+        self.retiring.discard(v)
+        spare_path = SHM_DIR / (self.path(v).name + ".spare")
+        os.rename(seg.path, spare_path)
+        seg.path = spare_path
+        self.spare.append(seg)
+
+    def drop(self, v: int) -> None:
+        """Unlink version `v` (retired, or a Write that failed here)."""
+        seg = self.versions.pop(v)
+        self.retiring.discard(v)
+        seg.path.unlink(missing_ok=True)
+        os.close(seg.fd)
+        seg.fd = None
+        seg.close()
 
     def _drop_unowned(self, seg: Segment) -> None:
         """Punch out pages of tensors another node of the group holds (tmpfs frees them)."""

@@ -9,11 +9,16 @@ Set `UCX_MODULES=^ib,rdmacm` on machines without InfiniBand (every NIXL process 
 exit otherwise); `make_transport` sets it when unset. When NIXL cannot start, `make_transport`
 falls back to MPI and records why in `fallback` (the agent reports it to `ping`).
 `PIVOTRL_GPS_MPI_CHUNK_BYTES` sets the MPI message size (default 1 GiB, the int-count limit).
+
+Fault injection, for tests only: `PIVOTRL_GPS_FAULT_NACKS=N` makes this agent refuse the first
+N MPI data requests it serves, exactly as it refuses a request for a buffer it no longer
+exposes (the fault is otherwise a race that the retirement protocol of store.py prevents).
 """
 from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,8 +45,11 @@ class Pending:
     nbytes: int
     _done: bool = False
     keep: list = field(default_factory=list)
+    error: str | None = None   # set when the holder refused the request
 
     def done(self) -> bool:
+        if self.error is not None:
+            raise RuntimeError(self.error)
         if not self._done:
             self._done = bool(self.poll())
         return self._done
@@ -59,6 +67,8 @@ class MPITransport:
         self.exposed: dict[Any, np.ndarray] = {}
         self._next_tag = _DATA_TAG0
         self._sending: list = []
+        self._receiving: dict[int, tuple[Pending, list]] = {}   # first tag -> fetch
+        self._nacks_left = int(os.environ.get("PIVOTRL_GPS_FAULT_NACKS", 0))
 
     def expose(self, key, buf: np.ndarray) -> dict:
         self.exposed[key] = buf
@@ -80,12 +90,32 @@ class MPITransport:
                 reqs.append(self.comm.Irecv([part, MPI.BYTE], source=peer, tag=tag))
                 asks.append((off + lo, part.size, tag))
         self.chunks_fetched += len(asks)
-        self.comm.send({"op": "mpi_get", "key": key, "asks": asks}, dest=peer, tag=CTRL_TAG)
-        return Pending(lambda: MPI.Request.Testall(reqs), sum(d.size for _, d in pieces))
+        first = asks[0][2] if asks else None
+
+        def poll() -> bool:
+            if not MPI.Request.Testall(reqs):
+                return False
+            self._receiving.pop(first, None)
+            return True
+
+        pending = Pending(poll, sum(d.size for _, d in pieces))
+        if first is not None:
+            self._receiving[first] = (pending, reqs)
+        self.comm.send({"op": "mpi_get", "key": tuple(key), "asks": asks}, dest=peer,
+                       tag=CTRL_TAG)
+        return pending
 
     def serve(self, src: int, msg: dict) -> None:
         from mpi4py import MPI
-        buf = self.exposed[msg["key"]]
+        buf = self.exposed.get(tuple(msg["key"]))
+        if buf is None or self._nacks_left > 0:
+            self._nacks_left -= buf is not None
+            why = "fault injected" if buf is not None else "not exposed here (retired?)"
+            log.error("MPI data request from agent %d for %s refused: %s", src, msg["key"], why)
+            self.comm.send({"op": "mpi_nack", "first": msg["asks"][0][2] if msg["asks"] else None,
+                            "error": f"{msg['key']} refused by its holder: {why}"},
+                           dest=src, tag=CTRL_TAG)
+            return
         for off, n, tag in msg["asks"]:
             self._sending.append(self.comm.Isend([buf[off: off + n], MPI.BYTE], dest=src, tag=tag))
         self._sending = [r for r in self._sending if not r.Test()]
@@ -98,9 +128,31 @@ class MPITransport:
         self._next_tag = _DATA_TAG0 + (self._next_tag - _DATA_TAG0 + 1) % 30000
         return self._next_tag
 
-    def close(self) -> None:
-        for r in self._sending:
-            r.Wait()
+    def nack(self, msg: dict) -> None:
+        """The holder refused a fetch of ours: its receives are cancelled, the fetch fails."""
+        pending, reqs = self._receiving.pop(msg["first"], (None, []))
+        for r in reqs:
+            r.Cancel()
+        if pending is not None:
+            pending.error = msg["error"]
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Finish the sends in flight, for at most `timeout_s`: a peer that is gone never
+        receives them, and `Wait()` would block this agent's exit forever (issue 11.12)."""
+        deadline = time.monotonic() + timeout_s
+        while self._sending and time.monotonic() < deadline:
+            self._sending = [r for r in self._sending if not r.Test()]
+            time.sleep(0.001)
+        if self._sending:
+            log.warning("GPS MPI transport: %d sends not received within %.0f s; cancelled",
+                        len(self._sending), timeout_s)
+            for r in self._sending:
+                r.Cancel()
+        self._sending = []
+        for _, reqs in self._receiving.values():
+            for r in reqs:
+                r.Cancel()
+        self._receiving.clear()
 
 
 class NIXLTransport:

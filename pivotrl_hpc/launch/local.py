@@ -38,6 +38,7 @@ from pathlib import Path
 
 from pivotrl_hpc.config import to_dict
 from pivotrl_hpc.config.validate import check_cpu_shares
+from pivotrl_hpc.gps import shmdir
 from pivotrl_hpc.launch import cgroup
 from pivotrl_hpc.launch.diagnose import diagnose as diagnose_ranks
 from pivotrl_hpc.config.paradigm import normalize
@@ -305,10 +306,9 @@ def cleanup(run: PreparedRun) -> None:
 
 def sweep_segments(job: str) -> list[str]:
     """`gps.segment.sweep(job)` without importing torch (seconds on a busy machine): every
-    file of the job in the shm folder (`pivotrl-<job>-<node>-...`)."""
-    shm = Path(os.environ.get("PIVOTRL_SHM_DIR", "/dev/shm"))
+    file of the job in this user's shm folder (`pivotrl-<job>-<node>-...`)."""
     removed = []
-    for p in shm.glob(f"pivotrl-{job}-*"):
+    for p in shmdir.job_files(job):
         p.unlink(missing_ok=True)
         removed.append(p.name)
     return removed
