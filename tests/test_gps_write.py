@@ -22,7 +22,7 @@ from pivotrl_hpc.gps.local import local_agent
 from pivotrl_hpc.gps.segment import SHM_DIR
 from pivotrl_hpc.gps.shapes import ModelShape
 
-ALIASES = ("recycle", "retire", "table", "dies")  # the policy folder under these names
+ALIASES = ("recycle", "retire", "table", "dies", "dropped")  # the policy folder under these names
 ROOT = str(Path(__file__).resolve().parents[1])
 DYING = str(Path(__file__).parent / "programs" / "gps_dying_writer.py")
 
@@ -167,6 +167,23 @@ def test_more_versions_than_the_table_holds(client, agent, tiny_models):
     assert client.state(m).live == (last,)
     got = client.read(m)
     assert all(torch.equal(got[k], hf[k] + last) for k in hf)
+
+
+def test_a_pin_dropped_without_release_frees_its_version(client, agent, tiny_models):
+    """Issue 11.6: a Pin that is garbage-collected unreleased (an exception path that lost it)
+    gives its version back, or the version could never be retired."""
+    import gc
+    hf, m = _hf(tiny_models), "dropped"
+    v0 = client.state(m).current
+    pin = client.pin(m)
+    client.write(m, {k: t + 1 for k, t in hf.items()}, ParallelPlace(), layout="hf").wait(30)
+    client.sync()
+    assert client.state(m).live == (v0, v0 + 1)      # v0 held by the pin
+    del pin
+    gc.collect()
+    client.sync()
+    assert client.state(m).live == (v0 + 1,)
+    assert f"v{v0}" not in _files(agent, m)
 
 
 def test_writer_dying_mid_write(client, agent, tiny_models):

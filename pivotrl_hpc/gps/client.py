@@ -62,6 +62,13 @@ class Pin:
             os.close(self._fd)
             self._fd = None
 
+    def __del__(self) -> None:
+        # a Pin lost unreleased (an error path) must not hold its version forever
+        try:
+            self.release()
+        except OSError:
+            pass
+
     def __enter__(self) -> "Pin":
         return self
 
