@@ -24,3 +24,29 @@ def test_paradigm_completes_its_steps_and_loses_nothing(tiny_models, tmp_path, p
     if paradigm == "rr_colocated":  # rollout and reward alternate on the same devices
         pool = {d for r, d in zip(shifts["role"], shifts["devices"]) if r == "reward"}
         assert pool & {d for r, d in zip(shifts["role"], shifts["devices"]) if r == "rollout"}
+        _check_report_of_a_live_trace(run["trace"], tmp_path / "report", s)
+
+
+def _check_report_of_a_live_trace(trace, out, summary: dict) -> None:
+    """`pivotrl report` on the live trace: figures, Perfetto JSON, and numbers that agree
+    with the run's own summary."""
+    import json
+    import subprocess
+    import sys
+
+    from report_util import check_report
+
+    p = subprocess.run([sys.executable, "-m", "pivotrl_hpc.cli.main", "report", str(trace),
+                        "-o", str(out)], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    check_report(out, 4)
+    num = json.loads((out / "summary.json").read_text())
+    assert num["steps"] == summary["steps"] and num["trained_tokens"] == summary["trained_tokens"]
+    from pivotrl_hpc.trace import open_trace
+    with open_trace(str(trace)) as t:
+        rows = t.table("shifts")
+    assert sum(v["count"] for v in num["shifts"].values()) == len(rows["t"])
+    # the run's summary counts device shifts up (`from->to` per device)
+    assert sum(len(d.split(",")) for d, way in zip(rows["devices"], rows["direction"])
+               if way == "up") == summary["shifts"]
+    assert sum(num["device_seconds"].values()) >= 4 * num["seconds"] * 0.99
