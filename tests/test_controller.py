@@ -71,7 +71,7 @@ def test_sequences_finish_exactly_once_and_resume_their_tokens():
 
 def test_shiftable_shifts_every_way_and_records_phases():
     trace = Rows()
-    _, _, summary = run("shiftable", trace=trace)
+    _, _, summary = run("shiftable", trace=trace, steps=6)   # 3 steps see no reward->rollout
     kinds = summary["shifts_by_kind"]
     assert kinds.get("rollout->reward", 0) > 0 and kinds.get("reward->training", 0) + \
         kinds.get("rollout->training", 0) > 0

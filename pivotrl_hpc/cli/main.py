@@ -25,8 +25,8 @@ class Command:
 COMMANDS: tuple[Command, ...] = (
     Command("run", "pivotrl_hpc.cli.run", "run an RL job locally (mpirun) or inside an allocation"),
     Command("submit", "pivotrl_hpc.cli.submit", "submit an RL job to Slurm with submitit"),
-    Command("simulate", "pivotrl_hpc.cli.simulate", "discrete-event cluster simulation",
-            pending="the cluster simulator issue"),
+    Command("simulate", "pivotrl_hpc.cli.simulate",
+            "the job on modeled devices in virtual time, paradigm vs paradigm"),
     Command("report", "pivotrl_hpc.cli.report",
             "turn an HDF5 trace into figures, a summary and a Perfetto timeline"),
     Command("plan", "pivotrl_hpc.cli.plan", "replay one planner decision from a snapshot"),

@@ -108,10 +108,10 @@ class RoleFlow:
         """Sequences a shift down returned to the queue (already re-queued by Algorithm 3)."""
         for sid in sids:
             rec = self.records[sid]
-            if rec.replica == replica:
+            if rec.replica == replica:   # else a stale copy: the record moved it already
                 rec.replica = None
                 rec.epoch += 1
-            self.on_event("abort", rec, replica)
+                self.on_event("abort", rec, replica)
 
     def placements(self, replica: str) -> dict[int, int]:
         """The epochs of the sequences on `replica` now (taken when a Step is sent)."""

@@ -91,7 +91,10 @@ def lengths(cfg: Config) -> Lengths:
                    w.genrm_median, w.genrm_sigma, m.genrm.max_response_len)
 
 
-def build_controller(cfg: Config, devices: Devices, clock, trace) -> Controller:
+def build_controller(cfg: Config, devices: Devices, clock, trace,
+                     decider=None) -> Controller:
+    """The job's controller over `devices` (MPI handles live, modeled ones in sim.run);
+    `decider` None decides inline (virtual time), a ThreadDecider beside the loop."""
     task = ArithmeticTask(cfg.models.policy.path, cfg.models.genrm.path,
                           cfg.models.policy.max_prompt_len, cfg.models.genrm.max_prompt_len)
     prompts = task.load(cfg.data.train)
@@ -104,7 +107,7 @@ def build_controller(cfg: Config, devices: Devices, clock, trace) -> Controller:
     tau = TauTracker(initial_tau(cfg))
     tau.attach(policy)
     return Controller(loop_config(cfg), clock, devices, policy, book, task, role_models(cfg),
-                      tau, trace, ThreadDecider(), validation, bootstrap_plan(cfg))
+                      tau, trace, decider, validation, bootstrap_plan(cfg))
 
 
 def run_job(cfg: Config, comm, layout, trace_path: str | Path) -> dict[str, Any]:
@@ -144,7 +147,7 @@ def run_on(cfg: Config, comm, device_ranks: Mapping[int, int], trace_path: str |
     trace = TraceWriter(str(trace_path), meta)
     summary: dict[str, Any] | None = None
     try:
-        ctl = build_controller(cfg, devices, clock, trace)
+        ctl = build_controller(cfg, devices, clock, trace, ThreadDecider())
         _on_usr1(lambda: log.warning("controller state:\n%s", ctl.describe()))
         summary = ctl.run()
         summary["controller_peak_rss_mb"] = resource.getrusage(

@@ -306,7 +306,12 @@ class Controller:
         """The earliest of: a reply due (simulation), the next planning round, the next
         progress line. Nothing pending at all: one planner interval on."""
         now = self.clock.now()
-        due = [self._plan_at, self.report.next_tick, self.devices.next_reply_time()]
+        reply = self.devices.next_reply_time()
+        if reply is not None and reply <= now:
+            # a zero-second command (Abort, AddSequences) answered at once: take it now, not
+            # at the next tick (the sequence it moves would sit on two replicas meanwhile)
+            return now
+        due = [self._plan_at, self.report.next_tick, reply]
         later = [t for t in due if t is not None and t > now]
         return min(later) if later else now + self.cfg.planner_interval_s
 

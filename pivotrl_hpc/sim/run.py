@@ -1,0 +1,144 @@
+"""A whole RL job on modeled devices under virtual time: the live controller, unchanged.
+
+`simulate(cfg, constants, trace_path)` builds the controller exactly as the live job does
+(`controller.live.build_controller`: task, RL book, policy, tau, bootstrap) but hands it
+`ModeledWorker`s on a `VirtualClock` instead of MPI handles, and decides inline (the planner's
+wall time does not exist in virtual time). It writes the same HDF5 trace and returns the same
+summary as a live run; seconds in both are virtual.
+
+What the modeled devices cost (`SimConstants`):
+- decode iterations: the throughput model (`throughput.policy` / `throughput.genrm` of the
+  config, or the last online fit of a live trace);
+- a shift up / down of each role: the config's tau_shift for a shift up and a quarter of it
+  for a shift down (the tiny-cpu runs measured 15 s up and 2.4 s down), or a live trace's
+  means;
+- a training step: `train_s` seconds, or a live trace's median step;
+- start-up (`startup_s`: processes, imports, GPS v0, before any device can shift): 0, or when
+  a live trace's first shift began.
+Deterministic: the same config, constants and seed give the same trace.
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from pivotrl_hpc.config.schema import Config
+from pivotrl_hpc.controller.clock import VirtualClock
+from pivotrl_hpc.controller.handles import Devices
+from pivotrl_hpc.controller.live import build_controller
+from pivotrl_hpc.controller.policy import initial_tau
+from pivotrl_hpc.sched.model import ThroughputModel
+from pivotrl_hpc.sim.modeled import ModeledStore, ModeledWorker
+
+ROLES = ("rollout", "reward", "training")
+DOWN_FRACTION = 0.25   # shift down seconds / shift up seconds, without measurements
+
+
+@dataclass(frozen=True)
+class SimConstants:
+    shift_up_s: dict[str, float]
+    shift_down_s: dict[str, float]
+    train_s: float
+    throughput: dict[str, ThroughputModel]   # "policy", "genrm"
+    source: str = "config"
+    startup_s: float = 0.0
+
+    @classmethod
+    def from_config(cls, cfg: Config, train_s: float = 1.0) -> "SimConstants":
+        up = initial_tau(cfg)
+        t = cfg.throughput
+        return cls(up, {r: DOWN_FRACTION * s for r, s in up.items()}, train_s,
+                   {"policy": ThroughputModel(**vars(t.policy)),
+                    "genrm": ThroughputModel(**vars(t.genrm))})
+
+    @classmethod
+    def from_trace(cls, path: str | Path, cfg: Config) -> "SimConstants":
+        """What a live run measured: mean shift seconds per role and direction, its last
+        throughput fits, its median training step. Missing figures fall back to `cfg`."""
+        from pivotrl_hpc.trace import open_trace
+
+        base = cls.from_config(cfg)
+        with open_trace(str(path)) as t:
+            shifts, fits, steps = t.table("shifts"), t.table("fits"), t.table("steps")
+        means: dict[str, dict[str, float]] = {"up": {}, "down": {}}
+        for way in means:
+            for role in ROLES:
+                vals = [float(s) for s, d, r in zip(shifts["seconds"], shifts["direction"],
+                                                    shifts["role"]) if d == way and r == role]
+                if vals:
+                    means[way][role] = statistics.fmean(vals)
+        models = dict(base.throughput)
+        for role, model in (("rollout", "policy"), ("reward", "genrm")):
+            rows = [i for i, r in enumerate(fits["role"]) if r == role]
+            if rows:
+                i = rows[-1]
+                models[model] = ThroughputModel(*(float(fits[k][i]) for k in "ABCD"))
+        train = statistics.median(steps["seconds"]) if len(steps["seconds"]) else base.train_s
+        starts = shifts["t"] - shifts["seconds"]
+        startup = float(starts.min()) if len(starts) else 0.0
+        return cls({**base.shift_up_s, **means["up"]}, {**base.shift_down_s, **means["down"]},
+                   float(train), models, f"trace {path}", max(startup, 0.0))
+
+
+class WatchedClock(VirtualClock):
+    """Virtual time that calls `watch()` each time it advances (invariant checks)."""
+
+    def __init__(self, watch) -> None:
+        super().__init__()
+        self.watch = watch
+
+    def wait_until(self, t: float) -> None:
+        super().wait_until(t)
+        self.watch()
+
+
+def modeled_workers(cfg: Config, constants: SimConstants, clock: VirtualClock
+                    ) -> list[ModeledWorker]:
+    store = ModeledStore()
+    workers = [ModeledWorker(d, clock, store, dict(constants.throughput),
+                             dict(constants.shift_up_s), dict(constants.shift_down_s),
+                             train_s=constants.train_s)
+               for d in range(cfg.total_devices)]
+    for w in workers:
+        w._free_at = constants.startup_s   # nothing runs before the job has started
+    return workers
+
+
+def simulate(cfg: Config, constants: SimConstants, trace_path: str | Path | None = None,
+             watch=None) -> dict[str, Any]:
+    """One job of `cfg` on modeled devices; the summary (and the trace, if a path is given).
+    `watch(workers)` runs whenever virtual time advances (tests check invariants there)."""
+    from pivotrl_hpc.config.load import to_dict
+    from pivotrl_hpc.config.paradigm import normalize
+    from pivotrl_hpc.trace import TraceWriter
+
+    cfg = normalize(cfg)   # as the launchers do (colocated: training on every device, k=0)
+    workers: list[ModeledWorker] = []
+    clock = WatchedClock(lambda: watch(workers)) if watch is not None else VirtualClock()
+    trace = None
+    if trace_path is not None:
+        meta = {"config": to_dict(cfg), "paradigm": cfg.paradigm.name, "simulated": True,
+                "constants": {"shift_up_s": constants.shift_up_s,
+                              "shift_down_s": constants.shift_down_s,
+                              "train_s": constants.train_s, "source": constants.source,
+                              "startup_s": constants.startup_s,
+                              "throughput": {m: vars(t) for m, t in
+                                             constants.throughput.items()}},
+                "device_ranks": {}}
+        trace = TraceWriter(str(trace_path), meta)
+    summary = None
+    try:
+        workers += modeled_workers(cfg, constants, clock)
+        ctl = build_controller(cfg, Devices(workers, clock.now), clock, trace, decider=None)
+        summary = ctl.run()
+        summary["simulated"] = True
+        return summary
+    finally:
+        if trace is not None:
+            trace.close(summary)
+
+
+def with_paradigm(cfg: Config, name: str) -> Config:
+    return replace(cfg, paradigm=replace(cfg.paradigm, name=name))

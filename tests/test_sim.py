@@ -1,0 +1,170 @@
+"""`pivotrl simulate`: the live controller on modeled devices in virtual time (sim/run.py).
+Same seed, same trace; no sequence on two replicas at once; generated tokens conserved across
+aborts and migrations; the planner's horizon H moves the shift count the way §8.6 says."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from live_util import check_nothing_lost, model_overrides
+
+from pivotrl_hpc.config import load_config
+from pivotrl_hpc.sim.run import SimConstants, simulate
+from pivotrl_hpc.trace import open_trace
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "configs" / "tiny-cpu.yaml"
+
+
+def _cfg(tiny_models, *overrides: str):
+    return load_config(CONFIG, [*model_overrides(tiny_models), *overrides])
+
+
+def _tables(path: Path) -> dict:
+    with open_trace(str(path)) as t:
+        return {n: t.table(n) for n in ("shifts", "sequences", "steps", "timeseries")}
+
+
+@pytest.fixture(scope="module")
+def shiftable(tiny_models, tmp_path_factory):
+    cfg = _cfg(tiny_models, "rl.steps=4")
+    path = tmp_path_factory.mktemp("sim") / "shiftable.h5"
+    summary = simulate(cfg, SimConstants.from_config(cfg), path)
+    return cfg, path, summary
+
+
+def test_same_seed_same_trace(tiny_models, shiftable, tmp_path):
+    cfg, path, summary = shiftable
+    again = simulate(cfg, SimConstants.from_config(cfg), tmp_path / "again.h5")
+    assert again == summary
+    a, b = _tables(path), _tables(tmp_path / "again.h5")
+    for name in a:
+        for col in a[name]:
+            np.testing.assert_equal(a[name][col], b[name][col], err_msg=f"{name}.{col}")
+    other = simulate(_cfg(tiny_models, "rl.steps=4", "rl.seed=1"), SimConstants.from_config(cfg))
+    assert other["seconds"] != summary["seconds"]     # the seed does drive the workload
+
+
+def test_a_sequence_is_on_two_replicas_only_until_the_source_step_ends(tiny_models):
+    """Checked on the modeled devices at every advance of virtual time. A migrated sequence
+    is added to its destination at once, while its Abort on the source waits for the Step
+    running there (a worker does one command at a time): for up to one Step both hold it,
+    and the source's tokens of that Step are ignored (flow.py epochs; NOTES "Simulator").
+    Every such overlap must end, none outliving one Step."""
+    cfg = _cfg(tiny_models, "rl.steps=4")
+    overlap: dict[tuple[str, str], float] = {}
+    longest = {"s": 0.0, "n": 0}
+    checks = {"n": 0}
+
+    def watch(workers) -> None:
+        now = workers[0].clock.now()
+        owners: dict[tuple[str, str], set[int]] = {}
+        for w in workers:
+            size = cfg.roles.reward_replica_size if w.role.value == "reward" else 1
+            for sid in w.seqs:
+                owners.setdefault((w.role.value, sid), set()).add(w.device // size)
+        for key, reps in owners.items():
+            if len(reps) > 1:
+                overlap.setdefault(key, now)
+        for key in [k for k in overlap if len(owners.get(k, ())) < 2]:
+            longest["s"] = max(longest["s"], now - overlap.pop(key))
+            longest["n"] += 1
+        checks["n"] += 1
+
+    summary = simulate(cfg, SimConstants.from_config(cfg), None, watch)
+    assert summary["steps"] == 4 and summary["shifts"] > 0 and summary["max_lag"] <= 2
+    assert checks["n"] > 50 and not overlap, overlap       # every overlap ended
+    step_s = max(cfg.paradigm.planner_interval_s, 1.0)     # a Step is at most ~1 s here
+    assert longest["s"] <= step_s, longest
+
+
+def test_the_record_places_a_sequence_on_one_replica_at_a_time(shiftable):
+    *_, path = shiftable[:2]
+    seq = _tables(path)["sequences"]
+    where: dict[tuple[str, str], str | None] = {}
+    for ev, role, sid, rep in zip(seq["event"], seq["role"], seq["seq_id"], seq["replica"]):
+        key = (role, sid)
+        if ev == "dispatch":
+            assert where.get(key) is None, (key, rep, where.get(key))
+            where[key] = rep
+        elif ev == "migrate":        # a move: from wherever the record had it
+            where[key] = rep
+        elif ev in ("abort", "preempt", "finish"):
+            assert where.get(key) == rep, (key, ev, rep, where.get(key))
+            where[key] = None
+    assert where and not any(where.values())
+
+
+def test_every_sequence_finishes_once_and_every_step_is_full(shiftable):
+    cfg, path, _ = shiftable
+    check_nothing_lost(path, 4, cfg.rl.batch_size * cfg.rl.group_size, 2)
+
+
+def test_generated_tokens_are_conserved(shiftable):
+    """The rollout role's processed tokens are exactly the generated lengths of its
+    finished sequences (aborted work is resumed, never redone)."""
+    _, path, summary = shiftable
+    t = _tables(path)
+    seq, ts = t["sequences"], t["timeseries"]
+    finished = sum(int(k) for ev, role, k in zip(seq["event"], seq["role"], seq["tokens"])
+                   if ev == "finish" and role == "rollout")
+    rollout = ts["role"] == "rollout"
+    assert summary["in_flight_at_end"] == 0
+    assert int(ts["tokens_total"][rollout][-1]) == finished
+
+
+# Rollout and judging overlap (staleness 4, longer responses, 1 s shifts), so that a shift
+# can take devices from a replica that is busy: a candidate with a penalty phi > 0. Shifts
+# of idle devices (phi = 0) and training's forced shift up happen at any H (NOTES).
+OVERLAP = ("rl.steps=6", "rl.batch_size=8", "rl.staleness=4", "workload.rollout_median=40",
+           "workload.genrm_median=30", "models.policy.max_response_len=128",
+           "models.genrm.max_response_len=64", "paradigm.shift_seconds_rollout=1",
+           "paradigm.shift_seconds_reward=1")
+
+
+def _paid_shifts(tiny_models, tmp_path, horizon: float) -> int:
+    """Executed plans that shift a busy replica down (penalty > 0), training's aside."""
+    cfg = _cfg(tiny_models, *OVERLAP, f"paradigm.horizon_s={horizon}")
+    path = tmp_path / f"h{horizon}.h5"
+    simulate(cfg, SimConstants.from_config(cfg), path)
+    with open_trace(str(path)) as t:
+        p = t.table("planner")
+    return sum(1 for ran, i, cands, why in zip(p["executed"], p["chosen"], p["candidates"],
+                                               p["reason"])
+               if ran and i >= 0 and cands[i]["penalty"] > 0 and "training" not in why)
+
+
+def test_a_tiny_horizon_shifts_busy_replicas_never_and_a_huge_one_does(tiny_models, tmp_path):
+    """§8.6, Figure 14: B = H·ΔT − phi; with H = 0.01 s no gain outweighs a penalty."""
+    assert _paid_shifts(tiny_models, tmp_path, 0.01) == 0
+    assert _paid_shifts(tiny_models, tmp_path, 600) >= 1
+
+
+def test_pivotrl_simulate_prints_every_paradigm_and_the_speedups(tiny_models, tmp_path):
+    p = subprocess.run([sys.executable, "-m", "pivotrl_hpc.cli.main", "simulate", str(CONFIG),
+                        "--out", str(tmp_path), *model_overrides(tiny_models)],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(p.stdout)
+    for name in ("colocated", "disaggregated", "rr_colocated", "shiftable"):
+        assert out[name]["tokens_per_s"] > 0 and out[name]["seconds"] > 0, name
+        assert (tmp_path / f"{name}-{'-'.join(v.rsplit('=', 1)[1] for v in out[name]['split']) or 'run'}.h5").exists()
+    assert set(out["speedup_vs"]) == {"colocated", "disaggregated", "rr_colocated"}
+    assert out["speedup_vs"]["colocated"] == pytest.approx(
+        out["shiftable"]["tokens_per_s"] / out["colocated"]["tokens_per_s"])
+    assert out["constants"]["source"] == "config"
+    with open_trace(str(tmp_path / "shiftable-run.h5")) as t:
+        assert t.meta["simulated"] is True and t.summary["steps"] == 3
+    assert np.isfinite(out["rr_colocated"]["idle_fraction"])
+
+
+def test_simulate_refuses_a_bad_key_and_an_unknown_paradigm(tiny_models):
+    for args, text in ((["rl.stepz=3"], "rl.stepz"), (["--paradigms", "pivot"], "pivot")):
+        p = subprocess.run([sys.executable, "-m", "pivotrl_hpc.cli.main", "simulate",
+                            str(CONFIG), *model_overrides(tiny_models), *args],
+                           capture_output=True, text=True, timeout=120)
+        assert p.returncode == 2 and text in p.stderr and "Traceback" not in p.stderr, p.stderr
