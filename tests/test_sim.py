@@ -168,3 +168,14 @@ def test_simulate_refuses_a_bad_key_and_an_unknown_paradigm(tiny_models):
                             str(CONFIG), *model_overrides(tiny_models), *args],
                            capture_output=True, text=True, timeout=120)
         assert p.returncode == 2 and text in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
+def test_bench_sim_json_smoke(tiny_models):
+    """The 1024-device figure is a benchmark (NOTES); here only its shape at 16 devices."""
+    p = subprocess.run([sys.executable, "-m", "pivotrl_hpc.cli.main", "bench", "sim", "--gpus",
+                        "16", "--json", *model_overrides(tiny_models)],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-2000:]
+    out = json.loads(p.stdout)
+    assert out["gpus"] == 16 and out["steps"] == 1 and out["samples_per_step"] == 32
+    assert out["wall_s"] > 0 and out["virtual_s"] > 0 and out["shifts"] > 0
