@@ -177,14 +177,20 @@ class NodeAgent(Transfers):
         for store in self.stores.values():
             m = store.model
             shared = self.comm is not None and store.ownership.k > 1
-            retire = None if self.transport is None else \
-                (lambda v, m=m: (self.transport.withdraw((m, v)), self._released.pop((m, v), 0)))
             freeable = (lambda v, m=m: len(self._released.get((m, v), ())) == self.n_nodes) \
                 if shared else None
-            for v in (released := store.collect(self.ctl, on_retire=retire, freeable=freeable)):
-                self._released.setdefault((m, v), set()).add(self.index)
+            released = store.collect(self.ctl, on_retire=lambda v, m=m: self._retire(m, v),
+                                     freeable=freeable)
             if shared and released:
+                for v in released:
+                    self._released.setdefault((m, v), set()).add(self.index)
                 self._broadcast({"op": "released", "model": m, "versions": released})
+
+    def _retire(self, model: str, version: int) -> None:
+        """Right before a version's memory goes: no more remote access to it."""
+        if self.transport is not None:
+            self.transport.withdraw((model, version))
+        self._released.pop((model, version), None)
 
     def _poll_clients(self, timeout: float) -> bool:
         return self.clients.poll(timeout, self._handle_client)
