@@ -68,6 +68,14 @@ def v_files(job: str, v: int) -> list[str]:
     return [n for n in ("n0", "n1") if (SHM_DIR / segment_name(job, n, "policy", v)).exists()]
 
 
+def wait_gone(job: str, v: int, seconds: float = 10.0) -> list[str]:
+    """The nodes still holding version v once it is gone everywhere, or after `seconds`."""
+    deadline = time.monotonic() + seconds
+    while v_files(job, v) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return v_files(job, v)
+
+
 def slow_reader(c: GPSClient, rank: int, base: dict, sync: Sync, job: str, rep: dict) -> None:
     if rank == 0:
         sync.wait("pinned")
@@ -79,15 +87,12 @@ def slow_reader(c: GPSClient, rank: int, base: dict, sync: Sync, job: str, rep: 
     sync.say("pinned")
     sync.wait("written")
     c.wait_version("policy", 3, WAIT)
-    time.sleep(0.5)  # many agent loop turns: a version no node pins would be gone by now
+    # v1, pinned nowhere, goes once both nodes released it; v0 must stay meanwhile
+    rep["v1_held_on"] = wait_gone(job, 1)
     rep["v0_pinned_held_on"] = v_files(job, 0)
     rep["v0_equal"] = equal(c.read("policy", pin=pin), base)
-    rep["v1_held_on"] = v_files(job, 1)   # released by both nodes: freed (or a spare)
     pin.release()
-    deadline = time.monotonic() + 10
-    while v_files(job, 0) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    rep["v0_released_held_on"] = v_files(job, 0)
+    rep["v0_released_held_on"] = wait_gone(job, 0)
     rep["v3_equal"] = equal(c.read("policy"), weights(base, 3))
 
 
@@ -110,10 +115,7 @@ def faults(c: GPSClient, rank: int, base: dict, sync: Sync, job: str, rep: dict)
     sync.wait("written")
     rep["current"] = c.wait_version("policy", 2, WAIT)
     rep["v2_equal"] = equal(c.read("policy"), weights(base, 2))
-    deadline = time.monotonic() + 10   # v0 and the half-failed v1 are freed everywhere
-    while (v_files(job, 0) or v_files(job, 1)) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    rep["old_held_on"] = v_files(job, 0) + v_files(job, 1)
+    rep["old_held_on"] = wait_gone(job, 0) + wait_gone(job, 1)   # v1 failed half-way
 
 
 def full_shm(c: GPSClient, rank: int, base: dict, sync: Sync, job: str, rep: dict) -> None:
