@@ -294,8 +294,7 @@ class GPSClient:
                            f"{secrets.token_hex(8)}")
         fd = os.open(stage, os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_RDWR, 0o600)
         try:
-            os.ftruncate(fd, total)
-            reserve_file(fd, stage, 0, total)   # a full shm: GPSMemoryError, not a SIGBUS
+            reserve_file(fd, stage, 0, total)   # sizes it; a full shm: GPSMemoryError, no SIGBUS
             self._request({"op": "fetch", "model": model, "version": pin.version,
                            "items": items, "dest": str(stage)}, "fetched")
             raw = torch.frombuffer(bytearray(os.pread(fd, total, 0)), dtype=torch.uint8)

@@ -106,13 +106,8 @@ class ControlBlock:
         if self._words[3]:
             raise GPSUnavailable(f"the GPS agent of {self.path.name} has shut down")
         pid = self.agent_pid
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            raise GPSUnavailable(f"the GPS agent of {self.path.name} (pid {pid}) is gone") \
-                from None
-        except PermissionError:  # alive, another user's pid namespace view: not ours to judge
-            pass
+        if not _alive(pid):
+            raise GPSUnavailable(f"the GPS agent of {self.path.name} (pid {pid}) is gone")
 
     def models(self) -> list[str]:
         out = []
@@ -225,15 +220,19 @@ def live_agent(path: Path) -> int | None:
     if len(head) < 32:
         return None
     magic, pid, _, closed = struct.unpack("<QQQQ", head)
-    if magic != MAGIC or closed or pid == os.getpid():
+    if magic != MAGIC or closed or pid == os.getpid() or not _alive(pid):
         return None
+    return pid
+
+
+def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
-        return None
-    except PermissionError:
+        return False
+    except PermissionError:  # alive, another user's pid namespace view: not ours to judge
         pass
-    return pid
+    return True
 
 
 def lock_shared(fd: int) -> None:

@@ -9,7 +9,7 @@ fails the Write on every node (`write_failed` to its writers), or the one Read i
 
 `Transfers` is a mixin of `NodeAgent`: it uses the agent's `cfg`, `comm`, `index`, `n_nodes`,
 `stores`, `writes`, `seg_info`, `plans`, `ctl`, `transport`, `_fetches`, `_released`,
-`_broadcast`, `_expose` and `_reply`.
+`_broadcast`, `_expose`, `_retire` and `_reply`.
 """
 from __future__ import annotations
 
@@ -99,8 +99,7 @@ class Transfers:
                              "error": error})
         store = self.stores[w.model]
         if self.index not in w.published and w.version in store.versions:
-            if self.transport is not None:
-                self.transport.withdraw((w.model, w.version))
+            self._retire(w.model, w.version)
             store.drop(w.version)
             if store.ownership.k > 1:  # nodes that published it may free it when done
                 self._released.setdefault((w.model, w.version), set()).add(self.index)

@@ -183,10 +183,8 @@ class Segment:
         try:
             os.ftruncate(fd, header.total_bytes)
             data = header.total_bytes - header.data_start
-            for a, b in [(-header.data_start, 0), *(reserve if reserve is not None
-                                                     else [(0, data)])]:
-                if b > a:
-                    reserve_file(fd, path, header.data_start + a, b - a)
+            _reserve_data(fd, path, header, [(-header.data_start, 0),
+                                             *(reserve if reserve is not None else [(0, data)])])
             mm = mmap.mmap(fd, header.total_bytes)
         except BaseException:
             os.close(fd)
@@ -225,9 +223,7 @@ class Segment:
     def reserve(self, fd: int, ranges: list[tuple[int, int]]) -> None:
         """Allocate data ranges [a, b) of this segment (open as `fd`) now: a GPSMemoryError
         naming the missing bytes if shm is full."""
-        for a, b in ranges:
-            if b > a:
-                reserve_file(fd, self.path, self.header.data_start + a, b - a)
+        _reserve_data(fd, self.path, self.header, ranges)
 
     @property
     def address(self) -> int:
@@ -268,6 +264,13 @@ def open_own(path: Path, flags: int) -> int:
         raise PermissionError(f"{path} is not a regular file of uid {os.getuid()} "
                               f"(uid {st.st_uid}, mode {st.st_mode:o}): refused")
     return fd
+
+
+def _reserve_data(fd: int, path: Path, header: Header, ranges) -> None:
+    """reserve_file for data ranges [a, b) (relative to the data start; a < 0 is header)."""
+    for a, b in ranges:
+        if b > a:
+            reserve_file(fd, path, header.data_start + a, b - a)
 
 
 def reserve_file(fd: int, path: Path, offset: int, length: int) -> None:

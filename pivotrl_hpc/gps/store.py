@@ -151,12 +151,8 @@ class ModelStore:
 
     def drop(self, v: int) -> None:
         """Unlink version `v` (retired, or a Write that failed here)."""
-        seg = self.versions.pop(v)
         self.retiring.discard(v)
-        seg.path.unlink(missing_ok=True)
-        os.close(seg.fd)
-        seg.fd = None
-        seg.close()
+        _dispose(self.versions.pop(v), unlink=True)
 
     def _drop_unowned(self, seg: Segment) -> None:
         """Punch out pages of tensors another node of the group holds (tmpfs frees them)."""
@@ -173,11 +169,16 @@ class ModelStore:
 
     def close(self, unlink: bool = True) -> None:
         for seg in list(self.versions.values()) + self.spare:
-            if unlink:
-                seg.path.unlink(missing_ok=True)
-            if seg.fd is not None:
-                os.close(seg.fd)
-                seg.fd = None
-            seg.close()
+            _dispose(seg, unlink)
         self.versions.clear()
         self.spare.clear()
+
+
+def _dispose(seg: Segment, unlink: bool) -> None:
+    """Close a segment of this store (its fd and mapping), unlinking its file if asked."""
+    if unlink:
+        seg.path.unlink(missing_ok=True)
+    if seg.fd is not None:
+        os.close(seg.fd)
+        seg.fd = None
+    seg.close()

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pivotrl_hpc.report.timeline import ROLES, role_series
+from pivotrl_hpc.report.timeline import ROLES, group_of, role_series
 
 COLORS = {"rollout": "#1f77b4", "reward": "#d62728", "training": "#2ca02c", "idle": "#bbbbbb"}
 
@@ -83,7 +83,7 @@ def shift_phases(means: dict[str, dict], path: Path, title: str) -> None:
     kinds = list(means)
     fig, ax = plt.subplots(figsize=(10, 1 + 0.5 * max(len(kinds), 1)))
     phases = sorted({p for m in means.values() for p in m["phases"]
-                     if not _is_part(p, m["phases"])})
+                     if group_of(p, m["phases"]) is None})   # a group once, as its total
     cmap = plt.get_cmap("tab20")
     left = np.zeros(len(kinds))
     for j, p in enumerate(phases):
@@ -98,8 +98,3 @@ def shift_phases(means: dict[str, dict], path: Path, title: str) -> None:
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
-
-def _is_part(phase: str, phases: dict) -> bool:
-    """A part of a group `X.total` (drawn as the group's total, not twice)."""
-    return any(phase.startswith(g[:-len("total")]) and phase != g
-               for g in phases if g.endswith(".total"))

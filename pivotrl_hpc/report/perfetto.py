@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pivotrl_hpc.report.timeline import ROLES, Span, role_series
+from pivotrl_hpc.report.timeline import ROLES, Span, group_of, role_series
 
 PID_DEVICES, PID_ROLES = 1, 2
 US = 1e6
@@ -34,14 +34,9 @@ def _slice(tid: int, name: str, start: float, seconds: float, cat: str, args=Non
 def _phase_slices(span: Span) -> list[dict]:
     """The shift's phases as slices nested in it (durations clipped to the shift)."""
     phases = {k: float(v) for k, v in span.phases.items() if k != "total"}
-    groups = {k[:-len(".total")] for k in phases if k.endswith(".total")}
-
-    def part_of(k: str) -> str | None:
-        return next((g for g in groups if k.startswith(g + ".") and k != g + ".total"), None)
-
     out, at = [], span.start
     for k, v in phases.items():
-        if part_of(k) is not None:
+        if group_of(k, phases) is not None:
             continue
         v = min(v, span.end - at)
         name = k[:-len(".total")] if k.endswith(".total") else k
@@ -49,7 +44,7 @@ def _phase_slices(span: Span) -> list[dict]:
         if k.endswith(".total"):
             inner = at
             for p, pv in phases.items():
-                if part_of(p) == name:
+                if group_of(p, phases) == name:
                     pv = min(pv, at + v - inner)
                     out.append(_slice(span.device, p[len(name) + 1:], inner, pv, "phase"))
                     inner += pv

@@ -102,6 +102,17 @@ def low_throughput_fraction(ts: dict[str, np.ndarray], role: str,
     return float(dt[held & (per_device < low * peak)].sum() / total) if total > 0 else None
 
 
+def group_of(phase: str, phases) -> str | None:
+    """The group `X` whose `X.total` is among `phases` and of which `phase` is a part
+    (`X.<part>`), else None. Groups are the worker's nested phases (runtime/context.py)."""
+    for g in phases:
+        if g.endswith(".total"):
+            name = g[:-len(".total")]
+            if phase.startswith(name + ".") and phase != g:
+                return name
+    return None
+
+
 def shift_phase_means(shifts: dict[str, np.ndarray]) -> dict[str, dict]:
     """Per `<direction> <role>`: count, mean seconds and mean seconds of each phase."""
     out: dict[str, dict] = {}

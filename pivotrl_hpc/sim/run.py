@@ -20,7 +20,7 @@ Deterministic: the same config, constants and seed give the same trace.
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -138,7 +138,3 @@ def simulate(cfg: Config, constants: SimConstants, trace_path: str | Path | None
     finally:
         if trace is not None:
             trace.close(summary)
-
-
-def with_paradigm(cfg: Config, name: str) -> Config:
-    return replace(cfg, paradigm=replace(cfg.paradigm, name=name))
