@@ -12,6 +12,7 @@ from pivotrl_hpc.gps.client import GPSClient
 from pivotrl_hpc.gps.convert import hf_to_megatron
 from pivotrl_hpc.gps.layout import ParallelPlace
 from pivotrl_hpc.gps.local import local_agent
+from pivotrl_hpc.gps import shmdir
 from pivotrl_hpc.gps.segment import SHM_DIR, sweep
 from pivotrl_hpc.gps.shapes import ModelShape
 
@@ -70,6 +71,7 @@ def test_sigterm_removes_every_segment(tiny_models):
 def test_stale_segments_of_the_job_are_swept_at_start(tiny_models):
     stale = SHM_DIR / "pivotrl-stalejob-n0-policy-v7"
     other_node = SHM_DIR / "pivotrl-stalejob-n1-policy-v7"
+    shmdir.ensure()   # a killed agent leaves its files and the folder
     for p in (stale, other_node):
         p.write_bytes(b"left by a killed agent")
     try:
@@ -79,3 +81,4 @@ def test_stale_segments_of_the_job_are_swept_at_start(tiny_models):
     finally:
         other_node.unlink(missing_ok=True)
         stale.unlink(missing_ok=True)
+        shmdir.remove_if_unused()

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from pivotrl_hpc.gps import control
+from pivotrl_hpc.gps import control, shmdir
 from pivotrl_hpc.gps.agent import control_path, socket_address
 from pivotrl_hpc.gps.client import GPSClient
 from pivotrl_hpc.gps.control import ControlBlock, GPSUnavailable
@@ -142,6 +142,7 @@ def test_a_planted_control_file_or_segment_is_not_trusted(tiny_models, other_use
     ctl_path = control_path(job, node)
     target = tmp_path / "elsewhere"
     target.write_bytes(b"\0" * control.SIZE)
+    shmdir.ensure()   # as a killed agent would have left it
     os.symlink(target, ctl_path)                            # a symlink where the file should be
     try:
         with pytest.raises(OSError):                        # ELOOP: O_NOFOLLOW
@@ -157,6 +158,7 @@ def test_a_planted_control_file_or_segment_is_not_trusted(tiny_models, other_use
             open_own(planted, os.O_RDONLY)
     finally:
         planted.unlink()
+        shmdir.remove_if_unused()
 
 
 # ---- many connections, a client that never reads ------------------------------------------------
@@ -239,6 +241,7 @@ def test_sweep_leaves_another_users_files(other_user):
 
     job = f"sw{os.getpid()}"
     mine, theirs = (SHM_DIR / f"pivotrl-{job}-n0-{n}" for n in ("a", "b"))
+    shmdir.ensure()
     mine.write_bytes(b"x")
     theirs.write_bytes(b"y")
     os.chown(theirs, other_user.pw_uid, other_user.pw_gid)
@@ -246,6 +249,7 @@ def test_sweep_leaves_another_users_files(other_user):
         assert sweep(job) == [mine.name] and theirs.exists()
     finally:
         theirs.unlink(missing_ok=True)
+        shmdir.remove_if_unused()
 
 
 # ---- this user's 0700 folder (issue 11.2) ----------------------------------------------------------
@@ -327,8 +331,7 @@ def test_a_write_into_a_full_shm_fails_with_the_figure_and_keeps_the_last_versio
     finally:
         agent.send_signal(signal.SIGTERM)
         agent.wait(30)
-    assert sorted(p.name for p in small_shm.iterdir()) == ["ballast", SHM_DIR.name]
-    assert not list((small_shm / SHM_DIR.name).iterdir())
+    assert sorted(p.name for p in small_shm.iterdir()) == ["ballast"]   # folder gone too
 
 
 FULL_WRITE = r"""
@@ -355,6 +358,7 @@ def test_the_slurm_epilog_removes_what_a_killed_job_left(other_user):
     job = f"{os.getpid()}9"
     left = [SHM_DIR / f"pivotrl-{job}-n1-{n}" for n in ("policy-v3", "ctl", "stage-1-ab")]
     theirs, other_job = SHM_DIR / f"pivotrl-{job}-n1-genrm-v0", SHM_DIR / f"pivotrl-{job}0-n1-x"
+    shmdir.ensure()   # a SIGKILLed agent leaves the folder too
     for p in [*left, theirs, other_job]:
         p.write_bytes(b"x")
     os.chown(theirs, other_user.pw_uid, other_user.pw_gid)
@@ -366,9 +370,31 @@ def test_the_slurm_epilog_removes_what_a_killed_job_left(other_user):
         assert not any(q.exists() for q in left)
         assert theirs.exists() and other_job.exists()        # not the job's user, not the job
         assert sorted(p.stdout.split()) == sorted(str(q) for q in left)
+        assert SHM_DIR.is_dir()                               # not empty: it stays
+        theirs.unlink()
+        other_job.unlink()
+        p = subprocess.run([str(ROOT / "slurm" / "epilog.sh")], capture_output=True, text=True,
+                           env={"PATH": os.environ["PATH"], "SLURM_JOB_ID": job,
+                                "SLURM_JOB_UID": str(os.getuid())}, timeout=30)
+        assert p.returncode == 0 and not SHM_DIR.exists(), p.stderr   # empty: removed
     finally:
         for q in [*left, theirs, other_job]:
             q.unlink(missing_ok=True)
+        shmdir.remove_if_unused()
+
+
+def test_the_gps_folder_goes_with_the_last_agent(tiny_models):
+    """Nothing of GPS outlives its agents: the user's folder stays while any agent holds it
+    and goes with the last one (shmdir.hold / release)."""
+    models = {"policy": str(tiny_models / "policy")}
+    with local_agent(models) as first:
+        with local_agent(models):
+            assert SHM_DIR.is_dir()
+        assert SHM_DIR.is_dir() and not list(SHM_DIR.glob(f"pivotrl-{first.job}-x*"))
+        c = first.client()                                  # the first one still serves
+        assert c.state("policy").current == 0
+        c.close()
+    assert not SHM_DIR.exists()
 
 
 def test_a_client_cannot_make_up_versions(tiny_models):

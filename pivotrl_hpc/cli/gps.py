@@ -33,6 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from pivotrl_hpc.gps import shmdir
     from pivotrl_hpc.gps.segment import (SHM_DIR, AgentAliveError, SegmentError, default_job,
                                          default_node, sweep)
 
@@ -54,6 +55,7 @@ def main(args: argparse.Namespace) -> int:
             except AgentAliveError as e:
                 print(f"pivotrl gps clean: {e}", file=sys.stderr)
                 return 1
+        shmdir.remove_if_unused()   # the folder too, once empty and held by no agent
         print(f"removed {len(removed)} segment(s)")
         return 0
     if args.gps_cmd == "ls":

@@ -84,11 +84,12 @@ class NodeAgent(Transfers):
         self._released: dict[tuple[str, int], set[int]] = {}
         self._byes: set[int] = set()
         self._stopping = False
+        self._shm_hold: int | None = None
         self.closed = False
 
     # ---- start-up -------------------------------------------------------------------------
     def start(self) -> None:
-        shmdir.ensure()   # this user's 0700 folder, or a clear refusal
+        self._shm_hold = shmdir.hold()   # this user's 0700 folder, or a clear refusal
         sweep(self.cfg.job, self.cfg.node)
         # also when the hosting process ends without serve_forever's cleanup (an exception,
         # or the agent in a daemon thread of a process that simply returns)
@@ -309,3 +310,6 @@ class NodeAgent(Transfers):
                 log.debug("transport close failed", exc_info=True)
         if self.clients is not None:
             self.clients.close()
+        if self._shm_hold is not None:
+            shmdir.release(self._shm_hold)   # the folder too, when no other agent uses it
+            self._shm_hold = None

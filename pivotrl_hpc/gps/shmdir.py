@@ -6,9 +6,15 @@ create, rename or read anything there, so a name another user guessed cannot be 
 agent creates the folder and refuses one that is not a 0700 folder of its own user (a
 symlink, or a folder planted under that name by someone else). Torch-free: the launcher's
 cleanup imports it.
+
+Nothing of GPS outlives its agents, the folder included: each agent holds a shared flock on
+the folder while it runs (`hold`), and the last one out removes it if it is empty (`release`:
+an exclusive flock it cannot get means another agent still uses it). An agent starting while
+the folder is being removed finds the folder it locked unlinked and makes it again.
 """
 from __future__ import annotations
 
+import fcntl
 import os
 import stat
 from pathlib import Path
@@ -48,3 +54,41 @@ def ensure(path: Path = SHM_DIR) -> Path:
 
 def job_files(job: str) -> list[Path]:
     return sorted(SHM_DIR.glob(f"pivotrl-{job}-*"))
+
+
+def hold(path: Path = SHM_DIR) -> int:
+    """`ensure` the folder and take a shared flock on it for an agent's lifetime; the fd."""
+    for _ in range(10):
+        ensure(path)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        try:
+            if os.fstat(fd).st_ino == os.lstat(path).st_ino:
+                return fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)   # removed (and maybe made again) by the last agent out: once more
+    raise RuntimeError(f"{path} kept vanishing while GPS agents stopped and started")
+
+
+def release(fd: int, path: Path = SHM_DIR) -> None:
+    """Drop an agent's hold; remove the folder if no other agent holds it and it is empty."""
+    os.close(fd)   # drops the shared flock
+    remove_if_unused(path)
+
+
+def remove_if_unused(path: Path = SHM_DIR) -> bool:
+    """Remove the folder if it is empty and no agent holds it (an exclusive flock it can
+    get); True if it went. Also for cleanups after a killed agent, which held nothing."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.rmdir(path)
+        return True
+    except OSError:   # held by another agent (BlockingIOError), or not empty: it stays
+        return False
+    finally:
+        os.close(fd)

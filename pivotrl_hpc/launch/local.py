@@ -311,6 +311,7 @@ def sweep_segments(job: str) -> list[str]:
     for p in shmdir.job_files(job):
         p.unlink(missing_ok=True)
         removed.append(p.name)
+    shmdir.remove_if_unused()   # a killed agent never released the folder
     return removed
 
 
