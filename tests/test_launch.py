@@ -314,20 +314,25 @@ def test_launcher_killed_job_stops_by_itself(tiny_models, tmp_path):
     assert (tmp_path / "out" / "job.h5").read_text().startswith("closed after")
 
 
-def test_sigkill_of_a_worker_ends_job_naming_rank(tiny_models, tmp_path):
+@pytest.mark.parametrize("rank,named", [
+    (4, "rank 4 (worker of device 2, node n1), host "),
+    # n1's GPS agent: its clients (n1's workers) lose their agent
+    (3, "rank 3 (GPS agent, node n1), host ")])
+def test_sigkill_of_a_worker_or_agent_ends_job_naming_rank(tiny_models, tmp_path, rank, named):
     job = Job(_cfg(tiny_models, tmp_path), _env(tmp_path, "until_stopped"))
     job.wait_for("controller running")
     logs = tmp_path / "out" / "job.logs"
-    os.kill(int((logs / "rank-4.pid").read_text().split()[0]), signal.SIGKILL)
+    os.kill(int((logs / f"rank-{rank}.pid").read_text().split()[0]), signal.SIGKILL)
     t = time.monotonic()
     rc = job.finish(timeout=30)
     seconds = time.monotonic() - t
     assert rc == 1 and seconds < 30
     line = job.stderr.strip().splitlines()[-1]
-    assert line.startswith("pivotrl run: rank 4 (worker of device 2, node n1), host ")
-    assert "role idle" in line and "signal 9" in line and "rank-4.log" in line
+    assert line.startswith(f"pivotrl run: {named}"), line
+    assert "signal 9" in line and f"rank-{rank}.log" in line
+    assert rank != 4 or "role idle" in line
     assert _leftovers(job.job) == []
-    print(f"SIGKILL to exit: {seconds:.1f} s")
+    print(f"SIGKILL of rank {rank} to exit: {seconds:.1f} s")
 
 
 def test_stray_sigterm_to_a_blocked_worker_ends_the_job_after_grace(tiny_models, tmp_path):

@@ -39,9 +39,12 @@ def stopped(slurm_cluster, tiny_models, tmp_path_factory):
     one hits --time=1, the other is cancelled once its trace shows rollout under way."""
     overrides = [*model_overrides(tiny_models), "rl.steps=200"]
     out = {}
+    # --no-requeue: the time-limit signal (sent at once: the limit is shorter than its lead)
+    # asks for a checkpoint only, and the job runs into its limit
     for name, limit in (("timeout", "--time=1"), ("cancel", "--time=10")):
         folder = tmp_path_factory.mktemp(name)
-        job = submit_pivot(slurm_cluster, folder, ["--gres=gpu:4", limit], LEARN, overrides)
+        job = submit_pivot(slurm_cluster, folder, ["--gres=gpu:4", limit, "--no-requeue"],
+                           LEARN, overrides)
         out[name] = {"job": job, "folder": folder,
                      "trace": folder / "runs" / f"pivotrl-{job}" / "learn-cpu.h5"}
     c = out["cancel"]

@@ -50,3 +50,15 @@ def test_reshift_up_reads_params_and_keeps_fp32_master_weights(report):
     assert report["params_bitwise_after_up"] is True
     assert report["main_bitwise_after_up"] is True  # not refreshed from the bf16 params
     assert report["step_after_up"]["update_applied"] == 1.0
+
+
+def test_checkpoint_restores_fp32_master_weights_not_the_rounded_bf16(report):
+    """A resumed trainer loads bf16 params from the checkpoint's policy (which rounds the
+    master weights), then its optimizer file: master weights and Adam state come back bit for
+    bit, and the next step equals the one taken without the interruption."""
+    assert report["ckpt_result"]["rank"] == 0 and report["ckpt_result"]["optim_bytes"] > 0
+    assert report["ckpt_result"]["policy_bytes"] > 0
+    assert report["ckpt_params_bitwise"] is True
+    assert report["ckpt_refresh_rounds_main"] is True   # what the optimizer file undoes
+    assert report["ckpt_main_bitwise"] is True
+    assert report["ckpt_next_step_bitwise"] is True

@@ -17,6 +17,8 @@ BENCHES: dict[str, tuple[str, str, str | None]] = {
     "shift": ("pivotrl_hpc.cli.bench_shift", "shift up / shift down seconds per role", None),
     "e2e": ("pivotrl_hpc.cli.bench_e2e", "end-to-end RL throughput, paradigm vs paradigm",
             None),
+    "soak": ("pivotrl_hpc.cli.bench_soak", "a long job watched for leaks (RSS, fds, shm)",
+             None),
     "sim": ("pivotrl_hpc.cli.bench_sim", "wall seconds of a simulated RL step at N devices",
             None),
 }

@@ -29,6 +29,8 @@ COMMANDS: tuple[Command, ...] = (
             "the job on modeled devices in virtual time, paradigm vs paradigm"),
     Command("report", "pivotrl_hpc.cli.report",
             "turn an HDF5 trace into figures, a summary and a Perfetto timeline"),
+    Command("export", "pivotrl_hpc.cli.export",
+            "write a run's trained policy as a HuggingFace model folder"),
     Command("plan", "pivotrl_hpc.cli.plan", "replay one planner decision from a snapshot"),
     Command("bench", "pivotrl_hpc.cli.bench", "benchmarks printing one JSON object"),
     Command("profile", "pivotrl_hpc.cli.profile", "profile a real engine and fit A, B, C, D"),

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import types
 import typing
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
@@ -28,6 +29,14 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if value not in allowed:
             raise ConfigError(key, f"{value!r} is not one of {', '.join(map(repr, allowed))}")
         return value
+    if isinstance(tp, types.UnionType):
+        for arm in get_args(tp):
+            try:
+                return _coerce(value, arm, key)
+            except ConfigError:
+                pass
+        names = " or ".join(a.__name__ for a in get_args(tp))
+        raise ConfigError(key, f"{value!r} is a {type(value).__name__}, expected {names}")
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if tp in (int, float, str, bool):
@@ -61,7 +70,14 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     key, raw = item.split("=", 1)
     if not key or any(not part for part in key.split(".")):
         raise ConfigError(key, "an override key must be dotted names, e.g. rl.steps")
-    return key.split("."), yaml.safe_load(raw) if raw != "" else ""
+    try:
+        return key.split("."), yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(key, f"value {raw!r} is not valid YAML ({_first_line(e)})") from None
+
+
+def _first_line(e: Exception) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
@@ -80,14 +96,23 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
 def resolve_paths(cfg: Config, base: Path) -> Config:
     """Relative paths (models, data, trace, throughput profile) are relative to the config
     file's folder, overrides included: pass absolute paths to put a run elsewhere."""
-    def fix(p: str) -> str:
-        return str((base / p).resolve()) if p and not Path(p).is_absolute() else p
+    def fix(key: str, p: str) -> str:
+        try:
+            p.encode("utf-8")
+            return str((base / p).resolve()) if p and not Path(p).is_absolute() else p
+        except (ValueError, OSError) as e:   # a NUL byte, a lone surrogate, a loop
+            raise ConfigError(key, f"{p!r} is not a usable path ({e})") from None
 
-    for m in (cfg.models.policy, cfg.models.genrm):
-        m.path = fix(m.path)
-    cfg.data.train, cfg.data.validation = fix(cfg.data.train), fix(cfg.data.validation)
-    cfg.trace.path = fix(cfg.trace.path)
-    cfg.paradigm.throughput_profile = fix(cfg.paradigm.throughput_profile)
+    for name in ("policy", "genrm"):
+        m = getattr(cfg.models, name)
+        m.path = fix(f"models.{name}.path", m.path)
+    cfg.data.train = fix("data.train", cfg.data.train)
+    cfg.data.validation = fix("data.validation", cfg.data.validation)
+    cfg.trace.path = fix("trace.path", cfg.trace.path)
+    cfg.paradigm.throughput_profile = fix("paradigm.throughput_profile",
+                                          cfg.paradigm.throughput_profile)
+    if isinstance(cfg.resume, str) and cfg.resume not in ("auto", "false", ""):
+        cfg.resume = fix("resume", cfg.resume)
     return cfg
 
 
@@ -102,7 +127,10 @@ def load_config(path: str | Path | None, overrides: list[str] = (), *,
         path = Path(path)
         if not path.is_file():
             raise ConfigError("<file>", f"config file {path} does not exist")
-        data = yaml.safe_load(path.read_text()) or {}
+        try:
+            data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        except (yaml.YAMLError, UnicodeDecodeError) as e:
+            raise ConfigError("<file>", f"{path} is not valid YAML: {_first_line(e)}") from None
         base = path.resolve().parent
     cfg = resolve_paths(build(Config, apply_overrides(data, list(overrides))), base)
     validate(cfg, check_files=check_files)

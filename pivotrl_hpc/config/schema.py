@@ -72,6 +72,10 @@ class RLConfig:
     temperature: float = 1.0     # rollout sampling temperature
     eval_every: int = 0          # validation accuracy every N steps (0: never)
     eval_prompts: int = 16       # validation prompts per evaluation (greedy)
+    # A checkpoint (policy, optimizer, data cursor, samples in flight) every N steps and after
+    # the last one, in <trace>.checkpoints/ (0: none); only the newest `keep_checkpoints` stay.
+    checkpoint_every: int = 0
+    keep_checkpoints: int = 2
 
 
 @dataclass
@@ -130,6 +134,9 @@ class GPSConfig:
 class DataConfig:
     train: str = ""
     validation: str = ""
+    # A malformed dataset line: "error" stops before the job starts (file and line named),
+    # "skip" leaves it out and logs how many were skipped.
+    on_bad_line: Literal["error", "skip"] = "error"
 
 
 @dataclass
@@ -150,6 +157,10 @@ class Config:
     gps: GPSConfig = field(default_factory=GPSConfig)
     data: DataConfig = field(default_factory=DataConfig)
     trace: TraceConfig = field(default_factory=TraceConfig)
+    # Where the job starts: "auto" (or true) continues from the run's newest whole checkpoint
+    # if it has one, false starts afresh, a path names a checkpoint (or a run to take the
+    # newest of). The launch resolves it: the ranks see the checkpoint folder or "".
+    resume: bool | str = "auto"
 
     @property
     def total_devices(self) -> int:

@@ -90,6 +90,22 @@ def model_context(path: str) -> int:
     return int(json.loads((Path(path) / "config.json").read_text())["max_position_embeddings"])
 
 
+def _checkpoints(cfg: Config, check_files: bool) -> None:
+    rl = cfg.rl
+    if rl.checkpoint_every < 0:
+        raise ConfigError("rl.checkpoint_every", f"{rl.checkpoint_every} must be >= 0 (0: none)")
+    if rl.keep_checkpoints < 1:
+        raise ConfigError("rl.keep_checkpoints", f"{rl.keep_checkpoints} must be >= 1")
+    if check_files:   # the checkpoint the job would start from, checked as the ranks will
+        from pivotrl_hpc.checkpoint.layout import CheckpointError
+        from pivotrl_hpc.checkpoint.state import prepare
+
+        try:
+            prepare(cfg)
+        except CheckpointError as e:
+            raise ConfigError("resume", str(e)) from None
+
+
 def _models_on_disk(cfg: Config) -> None:
     for name in ("policy", "genrm"):
         m: ModelConfig = getattr(cfg.models, name)
@@ -112,12 +128,20 @@ def _models_on_disk(cfg: Config) -> None:
         path = getattr(cfg.data, split)
         if path and not Path(path).is_file():
             raise ConfigError(f"data.{split}", f"{path} does not exist")
+        if path:
+            from pivotrl_hpc.assets.dataset import DatasetError, read_jsonl
+            try:
+                if not read_jsonl(Path(path), cfg.data.on_bad_line):
+                    raise DatasetError(f"{path} holds no records")
+            except (DatasetError, OSError) as e:
+                raise ConfigError(f"data.{split}", str(e)) from None
 
 
 def validate(cfg: Config, check_files: bool = True) -> None:
     _positive(cfg)
     _replicas(cfg)
     _training(cfg)
+    _checkpoints(cfg, check_files)
     if check_files:
         _models_on_disk(cfg)
 

@@ -99,6 +99,21 @@ class Devices:
             self._queues[d].clear()
             handle.submit(cmd)
 
+    def stop_all(self, cmd: Command, clock, timeout_s: float) -> list[int]:
+        """Send `cmd` (Shutdown) to every device past the queues and drain replies until each
+        has answered it (a worker blocked sending a large reply would otherwise never see
+        it), at most `timeout_s`; returns the devices that did not answer."""
+        self.broadcast(cmd)
+        name, left = type(cmd).__name__, set(self.handles)
+        deadline = clock.now() + timeout_s
+        while left and clock.now() < deadline:
+            for d in list(left):
+                if any(r.command == name for r in self.handles[d].poll()):
+                    left.discard(d)
+            nxt = self.next_reply_time()
+            clock.wait_until(nxt if nxt is not None else clock.now() + 0.01)
+        return sorted(left)
+
     def describe(self) -> dict[int, str]:
         """What each device is doing: the command in flight and how many wait behind it."""
         out = {}

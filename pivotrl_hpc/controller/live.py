@@ -28,6 +28,7 @@ from pivotrl_hpc.controller.report import format_summary
 from pivotrl_hpc.controller.rl import Lengths, RLBook
 from pivotrl_hpc.controller.task import ArithmeticTask
 from pivotrl_hpc.plan.types import ReplicaSpec, ShiftPlan
+from pivotrl_hpc.runtime.messages import Shutdown
 from pivotrl_hpc.gps.shapes import ModelShape
 from pivotrl_hpc.sched.model import ThroughputModel
 
@@ -97,8 +98,8 @@ def build_controller(cfg: Config, devices: Devices, clock, trace,
     `decider` None decides inline (virtual time), a ThreadDecider beside the loop."""
     task = ArithmeticTask(cfg.models.policy.path, cfg.models.genrm.path,
                           cfg.models.policy.max_prompt_len, cfg.models.genrm.max_prompt_len)
-    prompts = task.load(cfg.data.train)
-    validation = task.load(cfg.data.validation, cfg.rl.eval_prompts) if (
+    prompts = task.load(cfg.data.train, on_bad_line=cfg.data.on_bad_line)
+    validation = task.load(cfg.data.validation, cfg.rl.eval_prompts, cfg.data.on_bad_line) if (
         cfg.data.validation and cfg.rl.eval_every) else []
     book = RLBook(prompts, steps=cfg.rl.steps, batch_size=cfg.rl.batch_size,
                   group_size=cfg.rl.group_size, staleness=cfg.rl.staleness,
@@ -108,6 +109,20 @@ def build_controller(cfg: Config, devices: Devices, clock, trace,
     tau.attach(policy)
     return Controller(loop_config(cfg), clock, devices, policy, book, task, role_models(cfg),
                       tau, trace, decider, validation, bootstrap_plan(cfg))
+
+
+def add_checkpoints(ctl: Controller, cfg: Config, trace_path: str | Path) -> None:
+    """Checkpoints into the run's folder, and the resume when the launch resolved one."""
+    from pivotrl_hpc.checkpoint.layout import base_trace, root_for
+    from pivotrl_hpc.checkpoint.state import fixed_values
+    from pivotrl_hpc.controller.checkpointing import Checkpointer, resume
+    from pivotrl_hpc.runtime.spec import resumed_from
+
+    ctl.checkpoints = Checkpointer(root_for(trace_path), cfg.rl.checkpoint_every,
+                                   cfg.rl.keep_checkpoints, fixed_values(cfg),
+                                   base_trace(Path(trace_path)).with_suffix(".logs"))
+    if resumed_from(cfg):
+        resume(ctl, resumed_from(cfg))
 
 
 def run_job(cfg: Config, comm, layout, trace_path: str | Path) -> dict[str, Any]:
@@ -124,17 +139,25 @@ def run_job(cfg: Config, comm, layout, trace_path: str | Path) -> dict[str, Any]
         raise ControllerError(f"{where}: {e}", e.device) from e
 
 
-def _on_usr1(dump) -> None:
-    """`kill -USR1 <rank 0>` logs what the loop waits on (main thread only)."""
+def _on_usr1(ctl: Controller) -> None:
+    """`kill -USR1 <rank 0>` logs what the loop waits on and asks for a checkpoint after the
+    next step (main thread only)."""
     import signal
     import threading
 
+    def handler(*_) -> None:
+        log.warning("SIGUSR1: checkpoint after the next step; controller state:\n%s",
+                    ctl.describe())
+        if ctl.checkpoints is not None:
+            ctl.checkpoints.request()
+
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGUSR1, lambda *_: dump())
+        signal.signal(signal.SIGUSR1, handler)
 
 
 def run_on(cfg: Config, comm, device_ranks: Mapping[int, int], trace_path: str | Path,
            placement: list[dict] | None = None) -> dict[str, Any]:
+    from pivotrl_hpc.runtime.spec import resumed_from
     from pivotrl_hpc.trace import TraceWriter
 
     clock = MonotonicClock()
@@ -142,13 +165,19 @@ def run_on(cfg: Config, comm, device_ranks: Mapping[int, int], trace_path: str |
     devices = Devices([MPIWorkerHandle(comm, rank, d, inbox)
                        for d, rank in sorted(device_ranks.items())], clock.now)
     meta = {"config": to_dict(cfg), "paradigm": cfg.paradigm.name, "host": socket.gethostname(),
+            "resumed_from": resumed_from(cfg),
             "device_ranks": {str(d): r for d, r in device_ranks.items()},
             "ranks": placement or []}
     trace = TraceWriter(str(trace_path), meta)
     summary: dict[str, Any] | None = None
     try:
-        ctl = build_controller(cfg, devices, clock, trace, ThreadDecider())
-        _on_usr1(lambda: log.warning("controller state:\n%s", ctl.describe()))
+        try:
+            ctl = build_controller(cfg, devices, clock, trace, ThreadDecider())
+            add_checkpoints(ctl, cfg, trace_path)
+        except BaseException:   # the loop never ran: its shutdown neither, so stop them here
+            devices.stop_all(Shutdown(), clock, 10.0)
+            raise
+        _on_usr1(ctl)
         summary = ctl.run()
         summary["controller_peak_rss_mb"] = resource.getrusage(
             resource.RUSAGE_SELF).ru_maxrss / 1024

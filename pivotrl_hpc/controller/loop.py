@@ -78,6 +78,8 @@ class Controller:
         self._bootstrap = bootstrap
         self._eval_pending: dict[int, int] = {}   # step -> validation samples outstanding
         self._eval_correct: dict[int, int] = {}
+        self.checkpoints = None             # controller.checkpointing.Checkpointer (live)
+        self.stop_reason: str | None = None  # set to end the job early (a requeue)
 
     # --- the loop ----------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
@@ -96,6 +98,8 @@ class Controller:
                 self.clock.wait_until(self.next_event())
             ok = True
             summary = self.report.summary()
+            if self.stop_reason is not None:
+                summary["stopped"] = self.stop_reason
             summary["peak_rss_mb"] = self.peak_rss()
             return summary
         finally:
@@ -109,6 +113,8 @@ class Controller:
         return self.executor.published
 
     def done(self) -> bool:
+        if self.stop_reason is not None:   # everything in flight is in the checkpoint
+            return not self.training.active
         return (self.step >= self.cfg.steps and not self.training.active
                 and not self._eval_pending)
 
@@ -174,6 +180,11 @@ class Controller:
         self.flows["rollout"].submit(SeqRecord(s.sid, "rollout", s.prompt.prompt_ids,
                                                s.budget, s.sampling))
 
+    def _submit_judge(self, s: Sample) -> None:
+        greedy = Sampling(temperature=0.0, ignore_eos=self.cfg.ignore_eos_judge)
+        self.flows["reward"].submit(SeqRecord(s.sid, "reward", tuple(s.judge_prompt),
+                                              s.judge_budget, greedy))
+
     def dispatch(self) -> None:
         for role, flow in self.flows.items():
             moves = flow.sched.dispatch()
@@ -217,9 +228,7 @@ class Controller:
             if s.batch < 0:
                 self._validated(s)
                 return
-            greedy = Sampling(temperature=0.0, ignore_eos=self.cfg.ignore_eos_judge)
-            self.flows["reward"].submit(SeqRecord(s.sid, "reward", tuple(s.judge_prompt),
-                                                  s.judge_budget, greedy))
+            self._submit_judge(s)
         else:
             self.book.rewarded(rec.sid, rec.generated, self.task)
             self.report.sequence("reward", rec, "")
@@ -263,6 +272,8 @@ class Controller:
                 self.executor.reload(rid)
         if self.cfg.eval_every and self.step % self.cfg.eval_every == 0 and self.validation:
             self._start_eval(self.step)
+        if self.checkpoints is not None and self.checkpoints.due(self.step, self.cfg.steps):
+            self.checkpoints.save(self)  # the trainer stays up (and busy) until it is written
 
     # --- validation --------------------------------------------------------------------
     def _start_eval(self, step: int) -> None:
@@ -301,6 +312,8 @@ class Controller:
 
     def monitor(self) -> None:
         self.report.tick(self.clock.now())
+        if self.checkpoints is not None:
+            self.checkpoints.poll(self.clock.now())
 
     def next_event(self) -> float:
         """The earliest of: a reply due (simulation), the next planning round, the next
@@ -340,21 +353,11 @@ class Controller:
         self.clock.wait_until(nxt if nxt is not None else self.clock.now() + 0.01)
 
     def shutdown(self, timeout_s: float = 60.0) -> None:
-        """Every worker gets Shutdown on every exit path. Replies still in flight are
-        drained until each worker has answered it (a worker blocked sending a large reply
-        would otherwise never see its Shutdown)."""
+        """Every worker gets Shutdown on every exit path (Devices.stop_all)."""
         self.decider.close()
         try:
-            self.devices.broadcast(Shutdown())
-            left = set(self.devices.handles)
-            deadline = self.clock.now() + timeout_s
-            while left and self.clock.now() < deadline:
-                for d in list(left):
-                    if any(r.command == "Shutdown" for r in self.devices.handles[d].poll()):
-                        left.discard(d)
-                self._nap()
+            left = self.devices.stop_all(Shutdown(), self.clock, timeout_s)
             if left:
-                log.error("devices %s did not answer Shutdown within %.0f s", sorted(left),
-                          timeout_s)
+                log.error("devices %s did not answer Shutdown within %.0f s", left, timeout_s)
         except Exception:  # noqa: BLE001 - a dead worker must not hide the original error
             log.exception("shutdown broadcast failed")

@@ -95,7 +95,8 @@ class Reporter:
             "loss": float(metrics.get("loss", math.nan)), "max_lag": max(lags),
             "seconds": seconds}
         self.steps.append(row)
-        self.trace.append("steps", **row)
+        # the data order: which prompts (and samples) this step trained, in sample order
+        self.trace.append("steps", **row, prompts=[[s.prompt.pid, s.sid] for s in samples])
         self.trace.flush()
         log.info("step %d done: reward %.3f, loss %.4f, lag <= %d, %.1f s", step,
                  row["reward_mean"], row["loss"], row["max_lag"], seconds)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-from pivotrl_hpc.assets.dataset import extract_answer, prompt_text, read_jsonl
+from pivotrl_hpc.assets.dataset import DatasetError, extract_answer, prompt_text, read_jsonl
 from pivotrl_hpc.assets.tokenizer import BOS_ID
 from pivotrl_hpc.controller.rl import PromptData, Score
 
@@ -28,17 +28,18 @@ class ArithmeticTask:
         self.max_prompt_len, self.max_judge = max_prompt_len, max_judge_prompt_len
         self._digits = {self.tok.convert_tokens_to_ids(str(d)) for d in range(10)}
 
-    def load(self, path: str | Path, limit: int | None = None) -> list[PromptData]:
+    def load(self, path: str | Path, limit: int | None = None,
+             on_bad_line: str = "error") -> list[PromptData]:
         out = []
-        for rec in read_jsonl(Path(path))[:limit]:
+        for rec in read_jsonl(Path(path), on_bad_line)[:limit]:
             ids = [BOS_ID] + self.tok.encode(prompt_text(rec["problem"]),
                                              add_special_tokens=False)
             if len(ids) > self.max_prompt_len:
-                raise ValueError(f"{path}: prompt {rec['id']} has {len(ids)} tokens, over "
+                raise DatasetError(f"{path}: prompt {rec['id']} has {len(ids)} tokens, over "
                                  f"models.policy.max_prompt_len={self.max_prompt_len}")
             out.append(PromptData(int(rec["id"]), tuple(ids), rec["problem"], rec["answer"]))
         if not out:
-            raise ValueError(f"{path} holds no prompts")
+            raise DatasetError(f"{path} holds no prompts")
         return out
 
     def text(self, response_ids: Sequence[int]) -> str:

@@ -65,6 +65,9 @@ class AgentConfig:
     transport: str = "nixl"
     links: LinkModel = field(default_factory=LinkModel)
     load_threads: int = 4
+    # model -> the version its folder is loaded as (a resumed job: the checkpoint's policy
+    # version, so versions keep counting the trained steps); 0 when absent
+    first_versions: dict[str, int] = field(default_factory=dict)
 
 
 class NodeAgent(Transfers):
@@ -105,25 +108,27 @@ class NodeAgent(Transfers):
         need += max(s.owned_bytes() for s in self.stores.values())  # one Write in flight
         check_memory(need, f"{len(self.stores)} models on node {self.cfg.node} (k={k})")
         self._install_signals()
+        first = {m: self.cfg.first_versions.get(m, 0) for m in self.stores}
         for store in self.stores.values():
-            seg = store.new_version(0)
+            seg = store.new_version(first[store.model])
             n = load_into(seg, store.source, store.owned_names, self.cfg.load_threads)
-            log.info("GPS %s v0 on %s: %d bytes loaded (k=%d)", store.model, self.cfg.node, n, k)
+            log.info("GPS %s v%d on %s: %d bytes loaded (k=%d)", store.model,
+                     first[store.model], self.cfg.node, n, k)
         if self.comm is not None:
             self.transport = make_transport(self.cfg.transport, self.comm, self.index)
             log.info("GPS agent %s: %s transport", self.cfg.node, self.transport.name)
-            mine = {m: self._expose(m, 0) for m in self.stores}
+            mine = {m: self._expose(m, first[m]) for m in self.stores}
             for node, infos in enumerate(self.comm.allgather(mine)):
                 for m, info in infos.items():
-                    self.seg_info[(node, m, 0)] = info
+                    self.seg_info[(node, m, first[m])] = info
                     if node != self.index:
                         self.transport.learn(node, info)
         self._listen()
-        # The control block appears last: a client that finds it finds a served v0.
+        # The control block appears last: a client that finds it finds a served first version.
         self.ctl = control.ControlBlock(control_path(self.cfg.job, self.cfg.node), create=True,
                                         group_size=k)
         for store in self.stores.values():
-            store.publish(self.ctl, 0)
+            store.publish(self.ctl, first[store.model])
 
     def _install_signals(self) -> None:
         if threading.current_thread() is not threading.main_thread():

@@ -59,15 +59,19 @@ def _env_float(name: str, default: float) -> float:
 
 # ---- the GPS agent thread ---------------------------------------------------------------------
 class AgentThread:
-    def __init__(self, cfg, comm, job: str, node: str):
+    def __init__(self, cfg, comm, job: str, node: str, resumed: dict | None = None):
         from pivotrl_hpc.gps.agent import AgentConfig, NodeAgent
 
         budget = int(cfg.gps.memory_budget_gb * 2**30) or None
         models = {"policy": cfg.models.policy.path, "genrm": cfg.models.genrm.path}
+        first = {}
+        if resumed is not None:  # the policy comes back from the checkpoint, at its version
+            models["policy"] = str(Path(resumed["path"]) / "policy")
+            first["policy"] = resumed["version"]
         self.job, self.node = job, node
         self.agent = NodeAgent(AgentConfig(job=job, node=node, models=models,
-                                           budget_bytes=budget, transport=cfg.gps.transport),
-                               comm)
+                                           budget_bytes=budget, transport=cfg.gps.transport,
+                                           first_versions=first), comm)
         self.ready = threading.Event()
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name=f"gps-agent-{node}", daemon=True)
@@ -147,6 +151,7 @@ class Rank:
         self.stopper = Stopper(_env_float("PIVOTRL_STOP_GRACE_S", 20.0), self._expired)
         self.agent: AgentThread | None = None
         self.failed = False
+        self.resumed: dict | None = None   # the checkpoint this job starts from
 
     def run(self) -> int:
         from mpi4py import MPI
@@ -158,6 +163,8 @@ class Rank:
         self.paths.rank_pid(self.info.rank).write_text(f"{os.getpid()} {host_name()}\n")
         check_placement(self.layout, self.info.rank, os.environ)
         ports = self.world.bcast(port_base(self.job, os.environ), root=CONTROLLER_RANK)
+        from pivotrl_hpc.launch.resume import resolve_everywhere
+        self.resumed = resolve_everywhere(self.world, self.cfg, self.info.controller)
         hosts = self.world.allgather(os.environ.get("SLURMD_NODENAME") or host_name())
         self.layout = replace(self.layout, hosts=tuple(hosts))
         node_comm = self.world.Split(self.info.node, self.info.rank)
@@ -183,7 +190,7 @@ class Rank:
             raise LaunchError("the GPS agent runs in a thread beside the controller and needs "
                               "MPI_THREAD_MULTIPLE; this MPI gives level "
                               f"{MPI.Query_thread()}: use an Open MPI built with threads")
-        self.agent = AgentThread(self.cfg, agents, self.job, self.info.node_name)
+        self.agent = AgentThread(self.cfg, agents, self.job, self.info.node_name, self.resumed)
         self.stopper.cleanups.append(self.agent.close)
         self.agent.start()
         wait_barrier(node_comm, "GPS agent start-up")
@@ -195,7 +202,13 @@ class Rank:
         run_job = controller_callable()
         try:
             self.stopper.interruptible = True
-            summary = run_job(self.cfg, self.world, self.layout, str(self.paths.trace))
+            from pivotrl_hpc.checkpoint.layout import segment_trace
+            from pivotrl_hpc.launch.resume import forget_segments
+            # a resumed job writes a new trace segment beside the old ones (kept intact)
+            trace = segment_trace(self.paths.trace) if self.resumed else self.paths.trace
+            if not self.resumed:
+                forget_segments(self.paths.trace)
+            summary = run_job(self.cfg, self.world, self.layout, str(trace))
         except Interrupted as e:
             log.warning("controller %s", e)
             return

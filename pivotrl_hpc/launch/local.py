@@ -138,6 +138,7 @@ def _port_free(port: int) -> bool:
 def write_files(run: PreparedRun) -> None:
     """The resolved config and an empty run folder (files of an earlier run removed)."""
     run.paths.logs.mkdir(parents=True, exist_ok=True)
+    sweep_killed_job(run)
     for old in [*run.paths.logs.glob("rank-*"), run.paths.logs / "mpirun.log",
                 run.paths.summary_json]:
         old.unlink(missing_ok=True)
@@ -282,12 +283,35 @@ def _signal(pid: int, sig: int) -> None:
         pass
 
 
+def sweep_killed_job(run: PreparedRun) -> None:
+    """The run folder's previous job, if every one of its ranks was killed (SIGKILL leaves
+    no one to clean), left its GPS segments: remove them before this job starts. A previous
+    job still running in this folder is refused."""
+    marker = run.paths.logs / "job"
+    old = marker.read_text().strip() if marker.is_file() else ""
+    if old and old != run.job:
+        alive = _live_ranks(sorted(run.paths.logs.glob("rank-*.pid")))
+        if alive:
+            raise LaunchError(f"run folder {run.paths.logs.parent} is in use: job {old} still "
+                              f"runs there (rank pids {alive}); stop it or pick another "
+                              "trace.path")
+        removed = sweep_segments(old)
+        cgroup.remove_job(old, wait_s=1.0)
+        if removed:
+            log.warning("removed %d GPS segment(s) the killed job %s left", len(removed), old)
+    marker.write_text(f"{run.job}\n")
+
+
 def rank_pids(run: PreparedRun) -> list[int]:
     """Pids of the job's live ranks (pid files checked against /proc, as pids get reused)."""
+    return _live_ranks([run.paths.rank_pid(r) for r in range(run.layout.world_size)])
+
+
+def _live_ranks(pid_files: list[Path]) -> list[int]:
     pids = []
-    for rank in range(run.layout.world_size):
+    for f in pid_files:
         try:
-            pid = int(run.paths.rank_pid(rank).read_text().split()[0])
+            pid = int(f.read_text().split()[0])
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         except (FileNotFoundError, ValueError, IndexError):
             continue

@@ -31,6 +31,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from pivotrl_hpc.checkpoint.layout import REQUEUE_FILE
 from pivotrl_hpc.config.paradigm import normalize
 from pivotrl_hpc.config.validate import check_cpu_shares
 from pivotrl_hpc.launch import cgroup
@@ -39,6 +40,7 @@ from pivotrl_hpc.launch.layout import (LaunchError, RankLayout, RunPaths, expand
                                        job_ports)
 from pivotrl_hpc.launch.local import (PreparedRun, StderrFollower, free_port_base,
                                       resolved_config, sweep_segments, write_files)
+from pivotrl_hpc.launch.resume import RUNNING, request_checkpoint, requeueable
 
 log = logging.getLogger(__name__)
 
@@ -205,17 +207,29 @@ class Outcome:
 
 class _Stop:
     """The batch step's stop signal: remembered, passed on to srun once (srun forwards it to
-    every task; tasks that also got it from Slurm count it once)."""
+    every task; tasks that also got it from Slurm count it once). SIGUSR1 (pivot.sbatch's
+    `--signal=B:USR1@...` before the time limit) asks the controller for a checkpoint after
+    the next step and a requeue (a request file it polls)."""
 
-    def __init__(self):
+    def __init__(self, logs: Path | None = None, job: str | None = None):
         self.signum: int | None = None
         self.proc: subprocess.Popen | None = None
+        self.logs, self.job = logs, job
         self._old = {}
 
     def __enter__(self) -> "_Stop":
         for sig in STOP_SIGNALS:
             self._old[sig] = signal.signal(sig, self._on_signal)
+        if self.logs is not None:
+            self._old[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, self._on_usr1)
         return self
+
+    def _on_usr1(self, _signum, _frame) -> None:
+        requeue = self.job is not None and requeueable(self.job)
+        log.warning("got SIGUSR1 (time limit near): checkpoint after the next step%s",
+                    ", then requeue" if requeue else " (the job may not be requeued: it "
+                    "goes on; resubmit with resume=<checkpoint> to continue)")
+        request_checkpoint(self.logs, "requeue" if requeue else "checkpoint")
 
     def __exit__(self, *exc) -> None:
         for sig, old in self._old.items():
@@ -238,25 +252,47 @@ def execute(run: PreparedRun, *, grace_s: float = 40.0) -> Outcome:
     if run.cpu_warning:
         print(f"pivotrl: warning: {run.cpu_warning}", flush=True)
     srun_log = run.paths.logs / "srun.log"
-    with _Stop() as stop:
-        if stop.signum is None:
-            with open(srun_log, "ab") as err:
-                stop.proc = subprocess.Popen(run.command, stderr=err,
-                                             env={**os.environ, **run.env})
-            follower = StderrFollower(stop.proc, srun_log)
-            _wait(stop, grace_s)
-            follower.join()
+    with _Stop(run.paths.logs, run.job) as stop:
+        RUNNING.append(run)
+        try:
+            if stop.signum is None:
+                with open(srun_log, "ab") as err:
+                    stop.proc = subprocess.Popen(run.command, stderr=err,
+                                                 env={**os.environ, **run.env})
+                follower = StderrFollower(stop.proc, srun_log)
+                _wait(stop, grace_s)
+                follower.join()
+        finally:
+            RUNNING.remove(run)
     rc = stop.proc.returncode if stop.proc is not None else None
     cleanup(run, failed=stop.signum is None and rc != 0)
     if stop.signum is not None:
         return Outcome(128 + stop.signum, f"stopped by {signal.Signals(stop.signum).name}; "
                        f"trace {run.paths.trace}", run.paths, _summary(run.paths))
+    if rc == 0 and (run.paths.logs / REQUEUE_FILE).exists():
+        return requeue(run)
     if rc == 0:
         summary = _summary(run.paths)
         return Outcome(0, f"done; summary {run.paths.summary_json}" if summary is not None
                        else "done (the controller returned no summary)", run.paths, summary)
     text = srun_log.read_text(errors="replace") if srun_log.exists() else ""
     return Outcome(1, diagnose(run.layout, run.paths, text, rc, "srun"), run.paths)
+
+
+def requeue(run: PreparedRun) -> Outcome:
+    """The controller checkpointed and stopped for a requeue: put the job back in the queue;
+    it resumes in the same run folder (same job id) from that checkpoint."""
+    info = json.loads((run.paths.logs / REQUEUE_FILE).read_text())
+    (run.paths.logs / REQUEUE_FILE).unlink()
+    p = subprocess.run(["scontrol", "requeue", run.job], capture_output=True, text=True,
+                       timeout=60, check=False)
+    done = f"checkpointed at step {info['step']} before the time limit ({info['checkpoint']})"
+    if p.returncode != 0:
+        return Outcome(1, f"{done}, but `scontrol requeue {run.job}` failed: "
+                       f"{p.stderr.strip() or p.stdout.strip()}; submit again with "
+                       f"resume={info['checkpoint']} to continue", run.paths, _summary(run.paths))
+    return Outcome(0, f"{done}; job {run.job} requeued: it resumes from there", run.paths,
+                   _summary(run.paths))
 
 
 def _wait(stop: _Stop, grace_s: float) -> None:

@@ -44,6 +44,11 @@ class Stopper:
     def install(self) -> None:
         for sig in SIGNALS:
             signal.signal(sig, self._on_signal)
+        # USR1 / USR2 are for rank 0 (a checkpoint, controller.live) and the batch step
+        # (the time limit, launch.slurm; submitit): on any other rank they must not kill it,
+        # as they would by default when a user signals every task (`scancel --signal`).
+        for sig in (signal.SIGUSR1, signal.SIGUSR2):
+            signal.signal(sig, signal.SIG_IGN)
         r, w = os.pipe()
         os.set_blocking(w, False)
         signal.set_wakeup_fd(w, warn_on_full_buffer=False)

@@ -12,6 +12,7 @@ in its `FailedJobError`, whose text carries ours). submitit's own logs go to
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -42,16 +43,41 @@ def submit(config: str | Path, overrides: Sequence[str] = (), *, nodes: int | No
         gpus_per_node = gpus_per_node or cfg.cluster.devices_per_node
         _check_request(cfg, nodes, gpus_per_node)
     root = Path(runs_root).resolve()
+    # `exec`: the interpreter becomes the batch shell, the one process B: signals reach, so
+    # submitit's handler (and PivotJob.checkpoint) gets the timeout signal; behind bash it
+    # would just kill bash
     executor = submitit.SlurmExecutor(folder=str(folder or root / "submitit"),
-                                      python=python or sys.executable)
-    # --cpus-per-gpu as a plain sbatch flag: submitit's own parameter wants --gpus-per-task
-    extra = {"cpus_per_gpu": cpus_per_gpu, **slurm_options.pop("additional_parameters", {})}
+                                      python=f"exec {shlex.quote(python or sys.executable)}")
+    # --cpus-per-gpu as a plain sbatch flag: submitit's own parameter wants --gpus-per-task.
+    # submitit's timeout signal to the batch step only (B:), where it runs PivotJob and its
+    # checkpoint(); Slurm's default would signal the ranks' step instead.
+    delay = int(slurm_options.pop("signal_delay_s", 120))
+    extra = {"cpus_per_gpu": cpus_per_gpu, "signal": f"B:USR2@{delay}",
+             **slurm_options.pop("additional_parameters", {})}
     executor.update_parameters(**{
         "job_name": JOB_NAME, "nodes": nodes or 1, "ntasks_per_node": 1,
         "gres": f"gpu:{gpus_per_node or 1}", "additional_parameters": extra,
         "use_srun": False, "stderr_to_stdout": False, **slurm_options})
-    from pivotrl_hpc.launch.slurm import run_in_allocation
-    return executor.submit(run_in_allocation, str(config), tuple(overrides), root=str(root))
+    return executor.submit(PivotJob(), str(config), tuple(overrides), root=str(root))
+
+
+class PivotJob:
+    """What submitit runs in the batch step: `launch.slurm.run_in_allocation`. On submitit's
+    timeout or preemption signal (`signal_delay_s` before the kill) `checkpoint()` asks the
+    controller for a checkpoint after its next step, waits for it (at most
+    PIVOTRL_CHECKPOINT_WAIT_S, 60 s), and hands submitit the same call, which it requeues:
+    the job comes back with its job id, so in its run folder, and resumes from there."""
+
+    def __call__(self, config: str, overrides: tuple[str, ...], root: str) -> dict:
+        from pivotrl_hpc.launch.slurm import run_in_allocation
+        return run_in_allocation(config, overrides, root=root)
+
+    def checkpoint(self, config: str, overrides: tuple[str, ...], root: str):
+        from submitit.helpers import DelayedSubmission
+
+        from pivotrl_hpc.launch.resume import checkpoint_now
+        checkpoint_now(float(os.environ.get("PIVOTRL_CHECKPOINT_WAIT_S", 60)))
+        return DelayedSubmission(self, config, overrides, root=root)
 
 
 def _check_request(cfg, nodes: int, gpus_per_node: int) -> None:

@@ -107,6 +107,14 @@ class WaitWrite:
 
 
 @dataclass(frozen=True)
+class SaveCheckpoint:
+    """Training ranks: write this rank's optimizer state (and, on the first training rank,
+    the policy `version` from GPS as a HuggingFace folder) into checkpoint folder `folder`."""
+    folder: str
+    version: int
+
+
+@dataclass(frozen=True)
 class QueryState:
     pass
 
@@ -117,7 +125,7 @@ class Shutdown:
 
 
 Command = (ShiftUp | ShiftDown | AddSequences | Step | Abort | TrainStep | WaitWrite
-           | Reload | QueryState | Shutdown)
+           | Reload | SaveCheckpoint | QueryState | Shutdown)
 
 
 @dataclass

@@ -74,7 +74,15 @@ def worker_spec(cfg: Any, device: int, job: str, node: str, port_base: int):
         engine_process=True,
         engine_worlds={m: w for m in ("policy", "genrm")
                        if (w := engine_world(cfg, m, device, port_base)) is not None},
-        gps_job=job, gps_node=node, device=device)
+        gps_job=job, gps_node=node, device=device,
+        resume=resumed_from(cfg) if training else "")
+
+
+def resumed_from(cfg: Any) -> str:
+    """The checkpoint folder this job resumes from, once the launch resolved `resume` to
+    one (launch.entry); "" for a fresh start or an unresolved setting."""
+    r = getattr(cfg, "resume", "")
+    return r if isinstance(r, str) and r not in ("", "auto", "false") else ""
 
 
 def replica_size(cfg: Any, model: str) -> int:
@@ -135,7 +143,8 @@ def trainer_config(cfg: Any):
                                max_sequence_length=p.max_prompt_len + p.max_response_len),
         optim=OptimConfig(lr=rl.learning_rate),
         grpo=GRPOConfig(clip_low=rl.clip_low, clip_high=rl.clip_high,
-                        temperature=getattr(rl, "temperature", 1.0),
+                        # greedy rollout (temperature 0) scores the untempered policy
+                        temperature=getattr(rl, "temperature", 1.0) or 1.0,
                         old_logprobs=getattr(rl, "old_logprobs", "behaviour")),
         seed=rl.seed)
 

@@ -11,16 +11,18 @@ from __future__ import annotations
 import logging
 import time
 import traceback
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Protocol
 
 from pivotrl_hpc.engines.host import peak_rss_bytes
 from pivotrl_hpc.engines.vllm.types import EngineOptions
 from pivotrl_hpc.gps.layout import ParallelPlace
+from pivotrl_hpc.runtime import checkpoint
 from pivotrl_hpc.runtime.context import ContextKind, phase
 from pivotrl_hpc.runtime.messages import (
-    ROLE_MODEL, Abort, AddSequences, Command, QueryState, Reload, Reply, RoleKind, ShiftDown,
-    ShiftUp, Shutdown, Step, TrainBatch, TrainStep, WaitWrite)
+    ROLE_MODEL, Abort, AddSequences, Command, QueryState, Reload, Reply, RoleKind,
+    SaveCheckpoint, ShiftDown, ShiftUp, Shutdown, Step, TrainBatch, TrainStep, WaitWrite)
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +55,7 @@ class WorkerSpec:
     gps_job: str | None = None      # GPS of the hosts' Reads; None: the store's job / node
     gps_node: str | None = None
     device: int = 0                 # global device index (names the hosts in errors)
+    resume: str = ""                # checkpoint folder the trainer's optimizer state comes from
 
 
 class RoleError(RuntimeError):
@@ -74,7 +77,7 @@ class DeviceWorker:
             ShiftUp: self._shift_up, ShiftDown: self._shift_down, AddSequences: self._add,
             Step: self._step, Abort: self._abort, TrainStep: self._train_step,
             WaitWrite: self._wait_write, Reload: self._reload, QueryState: self._state,
-            Shutdown: self._shutdown}
+            SaveCheckpoint: self._checkpoint, Shutdown: self._shutdown}
 
     # --- dispatch ------------------------------------------------------------------------
     def handle(self, cmd: Command) -> Reply:
@@ -232,6 +235,12 @@ class DeviceWorker:
             self.trainer.load_shard(weights, refresh_main_params=first)
             phases[phase(ContextKind.PARAMETERS, "load")] = time.perf_counter() - t0
             self._params_in_gps = True
+            if first and self.spec.resume:
+                t0 = time.perf_counter()
+                checkpoint.load_training(self.trainer, Path(self.spec.resume),
+                                         checkpoint.train_rank(self.spec.training_place))
+                phases[phase(ContextKind.OFFLOADABLE, "checkpoint.load")] = \
+                    time.perf_counter() - t0
         self._params_discarded = False
         return phases
 
@@ -360,6 +369,12 @@ class DeviceWorker:
         phases[phase(ContextKind.PARAMETERS, "load")] = self._engine().load_weights(weights)
         self.version = version
         return {"version": self.version}, phases
+
+    def _checkpoint(self, cmd: SaveCheckpoint) -> tuple[Any, dict]:
+        if self.role != RoleKind.TRAINING:
+            raise RoleError(f"checkpoint while {self.role.value}: the trainer must be up")
+        self.trainer._require_resident()
+        return checkpoint.save(self, cmd.folder, cmd.version)
 
     def _shutdown(self, _cmd: Shutdown) -> tuple[Any, dict]:
         """Abort and close the engines (their sequences go back to the controller); a training

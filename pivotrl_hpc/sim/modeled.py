@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from pivotrl_hpc.controller.clock import VirtualClock
 from pivotrl_hpc.engines.vllm.types import (AbortedSequence, FinishedSequence, SeqProgress,
                                             StepOutput)
 from pivotrl_hpc.runtime.messages import (Abort, AddSequences, Command, QueryState, Reload,
-                                          Reply, RoleKind, ShiftDown, ShiftUp, Shutdown, Step,
-                                          TrainStep, WaitWrite)
+                                          Reply, RoleKind, SaveCheckpoint, ShiftDown, ShiftUp,
+                                          Shutdown, Step, TrainStep, WaitWrite)
 from pivotrl_hpc.sched.model import ThroughputModel
 
 
@@ -127,9 +128,23 @@ class ModeledWorker:
         if isinstance(cmd, Reload):
             self.version = cmd.version if cmd.version is not None else self.store.version
             return {"version": self.version}, 0.0
+        if isinstance(cmd, SaveCheckpoint):
+            return self._checkpoint(cmd), 0.0
         if isinstance(cmd, (QueryState, Shutdown)):
             return {"role": self.role.value, "version": self.version}, 0.0
         raise TypeError(f"modeled worker cannot run {cmd!r}")
+
+    def _checkpoint(self, cmd: SaveCheckpoint) -> dict:
+        """A modeled training rank's state is its policy version: the first one writes it
+        where the real rank writes the policy, every one its optimizer file."""
+        from pivotrl_hpc.checkpoint.layout import POLICY, optim_file
+
+        folder = Path(cmd.folder)
+        optim_file(folder, self.device).write_text(f"{cmd.version}\n")
+        if self.device == 0:
+            (folder / POLICY).mkdir(exist_ok=True)
+            (folder / POLICY / "version").write_text(f"{cmd.version}\n")
+        return {"rank": self.device, "optim_bytes": 0}
 
     def _iteration(self, first: bool = True) -> StepOutput:
         model = self.models["policy" if self.role == RoleKind.ROLLOUT else "genrm"]

@@ -42,7 +42,7 @@ TABLES: dict[str, dict[str, str]] = {
         "t": "float", "step": "int", "version": "int", "samples": "int", "tokens": "int",
         "reward_mean": "float", "reward_std": "float", "verifiable_mean": "float",
         "genrm_mean": "float", "unparsed": "int", "loss": "float", "max_lag": "int",
-        "val_accuracy": "float", "seconds": "float",
+        "val_accuracy": "float", "seconds": "float", "prompts": "json",
     },
     "gps": {
         "t": "float", "op": SHORT, "model": NAME, "version": "int", "rank": "int",

@@ -75,6 +75,42 @@ def scenario(w) -> dict:
     r["params_bitwise_after_up"] = equal(params, params_up)
     r["main_bitwise_after_up"] = equal(mains, mains_up)
     r["step_after_up"] = ok(w.handle(TrainStep(batch, publish=False))).result
+    r.update(checkpoint_round_trip(w, batch))
+    return r
+
+
+def checkpoint_round_trip(w, batch) -> dict:
+    """Publish, checkpoint, take one more step (the reference); then restore as a resumed
+    job does (params from the checkpoint's policy, refreshing the master weights from bf16,
+    then the rank's optimizer file) and take the same step again."""
+    import tempfile
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from pivotrl_hpc.runtime.checkpoint import load_training
+    from pivotrl_hpc.runtime.messages import SaveCheckpoint
+
+    tr, folder = w.trainer, Path(tempfile.mkdtemp(prefix="ckpt"))
+    ok(w.handle(TrainStep(batch)))
+    version = ok(w.handle(WaitWrite())).result["version"]
+    (folder / "optim").mkdir()
+    saved = ok(w.handle(SaveCheckpoint(str(folder), version))).result
+    params, mains = groups(tr)
+    ref = ok(w.handle(TrainStep(batch, publish=False))).result
+    ref_params, ref_mains = groups(tr)
+    tr.load_hf(load_file(str(folder / "policy" / "model.safetensors")))
+    rounded = equal(groups(tr)[1], [p.float() for p in params])
+    load_training(tr, folder, 0)
+    r = {"ckpt_version": version, "ckpt_result": saved,
+         "ckpt_refresh_rounds_main": rounded and not equal(groups(tr)[1], [p.float() for p
+                                                                           in params]),
+         "ckpt_params_bitwise": equal(groups(tr)[0], params),
+         "ckpt_main_bitwise": equal(groups(tr)[1], mains)}
+    again = ok(w.handle(TrainStep(batch, publish=False))).result
+    r["ckpt_next_step_bitwise"] = (equal(groups(tr)[0], ref_params)
+                                   and equal(groups(tr)[1], ref_mains)
+                                   and again["loss"] == ref["loss"])
     return r
 
 

@@ -1,0 +1,195 @@
+"""Where a run's checkpoints live and when one counts: whole, or absent.
+
+    out/x.h5                      the trace (segment 0); a resumed job writes x.seg1.h5, ...
+    out/x.checkpoints/
+        step-000004/              one checkpoint: the policy after 4 trained steps
+            policy/               HuggingFace folder (config, tokenizer, model.safetensors),
+                                  what `pivotrl export` copies and vLLM / transformers load
+            optim/rank-000.pt     per training rank: Megatron optimizer state (fp32 main
+                                  params, Adam moments), RNG states, steps done
+            state.json            the controller: data cursor, RNG, policy version, samples
+                                  in flight, fitted throughput constants, tau_shift
+            COMPLETE              written last, after every file above is fsynced
+        .step-000006.tmp/         being written (or left by a killed job: removed on commit)
+
+A checkpoint is written under its `.tmp` name and renamed once COMPLETE is in it, so a
+reader sees a whole one or none; only the newest `keep` whole ones stay.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+MARK = "COMPLETE"
+STATE = "state.json"
+POLICY = "policy"
+OPTIM = "optim"
+FORMAT = "pivotrl-checkpoint/1"
+# In the run's logs folder: a checkpoint asked for from outside ("checkpoint" or "requeue"),
+# and the controller's answer once a requeue's checkpoint is whole (controller.checkpointing)
+REQUEST_FILE = "checkpoint.request"
+REQUEUE_FILE = "requeue"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint asked for that is not there, not whole, or not of this job."""
+
+
+def root_for(trace: str | os.PathLike) -> Path:
+    """The checkpoints of the run whose (first) trace is `trace`."""
+    return base_trace(Path(trace)).with_suffix(".checkpoints")
+
+
+def base_trace(trace: Path) -> Path:
+    """x.seg3.h5 -> x.h5 (every segment of a run shares its run files)."""
+    stem = trace.stem
+    if ".seg" in stem and stem.rsplit(".seg", 1)[1].isdigit():
+        return trace.with_name(stem.rsplit(".seg", 1)[0] + trace.suffix)
+    return trace
+
+
+def name(step: int) -> str:
+    return f"step-{step:06d}"
+
+
+def step_of(path: Path) -> int:
+    return int(path.name.removeprefix("step-"))
+
+
+def is_whole(path: Path) -> bool:
+    return (path / MARK).is_file() and (path / STATE).is_file() and (path / POLICY).is_dir()
+
+
+def whole(root: Path) -> list[Path]:
+    """Whole checkpoints under `root`, oldest first."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.glob("step-*") if p.name[5:].isdigit() and is_whole(p)]
+    return sorted(found, key=step_of)
+
+
+def latest(root: Path) -> Path | None:
+    found = whole(root)
+    return found[-1] if found else None
+
+
+def staging(root: Path, step: int) -> Path:
+    """A fresh folder to write checkpoint `step` into (an older attempt's leftovers go)."""
+    tmp = root / f".{name(step)}.tmp"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    (tmp / OPTIM).mkdir(parents=True)
+    return tmp
+
+
+def optim_file(folder: Path, train_rank: int) -> Path:
+    return Path(folder) / OPTIM / f"rank-{train_rank:03d}.pt"
+
+
+def write_state(folder: Path, state: dict[str, Any]) -> None:
+    _write_synced(folder / STATE, json.dumps({"format": FORMAT, **state}, indent=1) + "\n")
+
+
+def read_state(folder: Path) -> dict[str, Any]:
+    path = Path(folder) / STATE
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: unreadable checkpoint state ({e})") from e
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: not a {FORMAT} state file")
+    return state
+
+
+def commit(tmp: Path, keep: int) -> Path:
+    """Make the checkpoint in `tmp` whole: fsync its files, mark it, rename it into place;
+    then drop all but the newest `keep` whole ones and stale `.tmp` folders."""
+    for f in tmp.rglob("*"):
+        if f.is_file():
+            _fsync(f)
+    _write_synced(tmp / MARK, "")
+    final = tmp.parent / tmp.name[1:].removesuffix(".tmp")
+    if final.exists():          # a requeued job that redid this step: the new one wins
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    _fsync(tmp.parent)
+    for old in whole(tmp.parent)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    for stale in tmp.parent.glob(".step-*.tmp"):
+        if stale != tmp:
+            shutil.rmtree(stale, ignore_errors=True)
+    return final
+
+
+def resolve(resume: bool | str, trace: str | os.PathLike) -> Path | None:
+    """The checkpoint a job starts from: `resume` true/"auto" -> the newest whole one of the
+    run (None if there is none), false -> None, a path -> that one (or the newest whole one
+    inside it, when it is a checkpoints folder or a run's trace)."""
+    if resume is False or resume in ("false", "no", ""):
+        return None
+    if resume is True or resume == "auto":
+        return latest(root_for(trace))
+    return find(resume)
+
+
+def find(where: str | os.PathLike) -> Path:
+    """A checkpoint folder, a checkpoints folder, or a run's trace -> a whole checkpoint."""
+    p = Path(where)
+    if p.suffix == ".h5":
+        p = root_for(p)
+    elif p.is_dir() and not p.name.endswith(".checkpoints") and not is_whole(p):
+        runs = sorted(p.glob("*.checkpoints"))   # a run folder (e.g. Slurm's runs/NAME-ID)
+        if len(runs) == 1:
+            p = runs[0]
+        elif len(runs) > 1:
+            raise CheckpointError(f"{p} holds the checkpoints of {len(runs)} runs "
+                                  f"({', '.join(r.name for r in runs)}): name one")
+    if is_whole(p):
+        return p.resolve()
+    if p.is_dir() and (newest := latest(p)) is not None:
+        return newest.resolve()
+    if p.is_dir() and p.name.startswith(("step-", ".step-")):
+        raise CheckpointError(f"{p} is not a whole checkpoint (no {MARK}: its job died while "
+                              "writing it); name an older one or its run")
+    raise CheckpointError(f"no whole checkpoint at {p} (expected a step-N folder, a "
+                          "*.checkpoints folder or a run's trace .h5)")
+
+
+def segment_trace(trace: str | os.PathLike) -> Path:
+    """The trace file of a new segment of this run: x.h5 first, then x.seg1.h5, ..."""
+    base = base_trace(Path(trace))
+    if not base.exists():
+        return base
+    n = 1
+    while base.with_name(f"{base.stem}.seg{n}{base.suffix}").exists():
+        n += 1
+    return base.with_name(f"{base.stem}.seg{n}{base.suffix}")
+
+
+def segments(trace: str | os.PathLike) -> list[Path]:
+    """Every trace segment of the run, in order."""
+    base = base_trace(Path(trace))
+    out = [base] if base.exists() else []
+    n = 1
+    while (p := base.with_name(f"{base.stem}.seg{n}{base.suffix}")).exists():
+        out.append(p)
+        n += 1
+    return out
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

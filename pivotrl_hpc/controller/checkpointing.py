@@ -1,0 +1,112 @@
+"""The loop's checkpoints: when one is due, who writes what, and the resume.
+
+A checkpoint is taken right after a step's policy is replicated (`Controller._published`),
+while the trainer is still resident: the training unit stays active until every training
+rank has written its part, so no shift can move it meanwhile; rollout and reward go on. The
+controller's state is captured at that moment and written last, then the folder is made
+whole (checkpoint.layout.commit).
+
+On request one is taken after the next step: `request()` (SIGUSR1 to rank 0), or a request
+file the batch step writes (`<run>.logs/checkpoint.request`, polled once a second) when Slurm
+signals the time limit (`--signal=B:USR1@...`, launch.slurm) or submitit its timeout. A
+"requeue" request also ends the job once the checkpoint is whole (marker `<run>.logs/requeue`
+for the batch step, which then runs `scontrol requeue`).
+"""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from pivotrl_hpc.checkpoint import layout
+from pivotrl_hpc.checkpoint.state import capture, restore
+from pivotrl_hpc.controller.flow import check_replies
+from pivotrl_hpc.runtime.messages import Reply, SaveCheckpoint
+
+log = logging.getLogger(__name__)
+
+REQUEST, REQUEUE = layout.REQUEST_FILE, layout.REQUEUE_FILE
+
+
+class Checkpointer:
+    def __init__(self, root: Path, every: int, keep: int, fixed: Mapping[str, Any],
+                 logs: Path | None = None) -> None:
+        self.root, self.every, self.keep, self.fixed = Path(root), every, keep, dict(fixed)
+        self.logs = logs
+        self.mode: str | None = None      # a request pending: "checkpoint" or "requeue"
+        self.written: list[Path] = []
+        self.on_written: list[Callable[[Path], None]] = []
+        self._poll_at = 0.0
+
+    def due(self, step: int, last: int) -> bool:
+        return self.mode is not None or (
+            self.every > 0 and (step % self.every == 0 or step == last))
+
+    def request(self, mode: str = "checkpoint") -> None:
+        """Take one after the next replicated step; "requeue" also ends the job then."""
+        self.mode = "requeue" if REQUEUE in (mode, self.mode) else "checkpoint"
+        log.warning("%s requested: after the next step", self.mode)
+
+    def poll(self, now: float) -> None:
+        """Take a request file the batch step wrote (at most once a second)."""
+        if self.logs is None or now < self._poll_at:
+            return
+        self._poll_at = now + 1.0
+        f = self.logs / REQUEST
+        if f.exists():
+            mode = f.read_text().strip()
+            f.unlink(missing_ok=True)
+            self.request(mode or "checkpoint")
+
+    def save(self, ctl) -> None:
+        """Start checkpoint `ctl.step` (the trained steps); training stays busy until done."""
+        mode, self.mode = self.mode, None
+        state = capture(ctl, self.fixed)
+        tmp = layout.staging(self.root, state["step"])
+        ctl.training.active = True
+        t0 = ctl.clock.now()
+        ctl.devices.send(ctl.training.devices, SaveCheckpoint(str(tmp), state["version"]),
+                         lambda replies: self._saved(ctl, tmp, state, t0, replies, mode))
+
+    def _saved(self, ctl, tmp: Path, state: dict, t0: float, replies: list[Reply],
+               mode: str | None) -> None:
+        check_replies(replies)
+        layout.write_state(tmp, state)
+        final = layout.commit(tmp, self.keep)
+        self.written.append(final)
+        ctl.training.active = False
+        ctl._event()
+        seconds = ctl.clock.now() - t0
+        size = sum(r.result.get("optim_bytes", 0) + r.result.get("policy_bytes", 0)
+                   for r in replies)
+        ctl.trace.append("events", t=ctl.clock.now(), kind="checkpoint",
+                         message=f"step {state['step']} v{state['version']} -> {final} "
+                                 f"({size / 2**20:.1f} MiB, {seconds:.2f} s, "
+                                 f"{len(state['samples'])} samples in flight kept)")
+        log.info("checkpoint of step %d written to %s (%.2f s)", state["step"], final, seconds)
+        for hook in self.on_written:
+            hook(final)
+        if mode == REQUEUE:
+            ctl.stop_reason = f"checkpointed at step {state['step']} for a requeue"
+            if self.logs is not None:
+                (self.logs / REQUEUE).write_text(json.dumps(
+                    {"step": state["step"], "checkpoint": str(final)}) + "\n")
+
+
+def resume(ctl, folder: str | Path) -> dict[str, Any]:
+    """Load checkpoint `folder`'s controller state into a fresh controller and queue its
+    samples again: unfinished rollouts from their prompts, rolled ones for their judgement."""
+    state = layout.read_state(Path(folder))
+    again = restore(ctl, state)
+    for s, role in again:
+        if role == "rollout":
+            ctl._submit_rollout(s)
+        else:
+            ctl._submit_judge(s)
+    ctl.trace.append("events", t=ctl.clock.now(), kind="resume",
+                     message=f"from {folder}: step {state['step']} v{state['version']}, "
+                             f"{len(state['samples'])} samples kept, {len(again)} requeued")
+    log.info("resumed from %s: step %d, policy v%d, %d samples requeued", folder,
+             state["step"], state["version"], len(again))
+    return state

@@ -1,0 +1,88 @@
+"""A training rank's part of a checkpoint (checkpoint/layout.py says the folder).
+
+- The policy: GPS already holds it canonically (full HF tensors on every node), so the first
+  training rank Reads the published version and writes one safetensors file beside the base
+  model's config and tokenizer: no gather through rank 0, and the bytes are GPS's own.
+- The optimizer: every rank saves its own Megatron optimizer state (fp32 main params of bf16
+  params, Adam moments and steps) with its RNG states, all ranks in parallel. On resume the
+  params come back from GPS (the checkpoint's policy) and this file refills the optimizer, so
+  the fp32 master weights are the saved ones, never re-rounded from bf16.
+"""
+from __future__ import annotations
+
+import logging
+import random
+import shutil
+import time
+from pathlib import Path
+
+from pivotrl_hpc.checkpoint.layout import POLICY, CheckpointError, optim_file
+from pivotrl_hpc.gps.layout import ParallelPlace
+
+log = logging.getLogger(__name__)
+
+# Files of a model folder that are not weights: what a loader needs beside model.safetensors.
+SKIP = (".safetensors", ".safetensors.index.json", ".bin", ".pt")
+
+
+def train_rank(place: ParallelPlace) -> int:
+    return place.dp_rank * place.tp_size + place.tp_rank
+
+
+def save_policy(store, version: int, folder: Path, base_model: str | Path) -> int:
+    """The policy `version` (GPS Read, HF layout) as a HuggingFace folder; returns bytes."""
+    from safetensors.torch import save_file
+
+    out = Path(folder) / POLICY
+    out.mkdir(parents=True, exist_ok=True)
+    for f in Path(base_model).iterdir():
+        if f.is_file() and not f.name.endswith(SKIP):
+            shutil.copy2(f, out / f.name)
+    tensors = store.read("policy", ParallelPlace(), version)
+    tensors = {n: t.contiguous() for n, t in tensors.items()}
+    save_file(tensors, str(out / "model.safetensors"), metadata={
+        "format": "pt", "pivotrl_version": str(version)})
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def save_training(trainer, folder: Path, rank: int) -> int:
+    """This rank's optimizer state, steps done and RNG states; returns the file's bytes."""
+    import torch
+
+    path = optim_file(folder, rank)
+    torch.save({"optimizer": trainer.optimizer.state_dict(), "steps_done": trainer.steps_done,
+                "torch_rng": torch.get_rng_state(), "python_rng": random.getstate()}, path)
+    return path.stat().st_size
+
+
+def load_training(trainer, folder: Path, rank: int) -> None:
+    """Refill a freshly built trainer (params already loaded from GPS) from `folder`."""
+    import torch
+
+    path = optim_file(folder, rank)
+    if not path.is_file():
+        raise CheckpointError(f"{path} missing: the checkpoint was made with fewer training "
+                              "ranks (roles.train_devices / train_tensor_parallel changed?)")
+    state = torch.load(path, map_location=trainer.device, weights_only=False)
+    trainer.optimizer.load_state_dict(state["optimizer"])
+    trainer.steps_done = int(state["steps_done"])
+    torch.set_rng_state(state["torch_rng"])
+    random.setstate(state["python_rng"])
+
+
+def save(worker, folder: str, version: int) -> tuple[dict, dict]:
+    """The SaveCheckpoint command on a training worker (runtime.worker)."""
+    trainer, place = worker.trainer, worker.spec.training_place
+    if trainer is None:
+        raise RuntimeError("checkpoint before the trainer was built (training never shifted up)")
+    t0 = time.perf_counter()
+    rank = train_rank(place)
+    result = {"rank": rank, "optim_bytes": save_training(trainer, Path(folder), rank)}
+    phases = {"checkpoint.optimizer": time.perf_counter() - t0}
+    if rank == 0:
+        t1 = time.perf_counter()
+        result["policy_bytes"] = save_policy(worker.store, version, Path(folder),
+                                             worker.spec.model_dirs["policy"])
+        phases["checkpoint.policy"] = time.perf_counter() - t1
+    log.info("checkpoint v%d rank %d written to %s", version, rank, folder)
+    return result, phases

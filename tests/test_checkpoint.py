@@ -1,0 +1,186 @@
+"""Checkpoints without engines: the folder layout (whole or absent, kept, found), the
+controller's state round trip, and a resume on modeled workers whose data order equals an
+uninterrupted run's. (The live kill-and-resume is tests/test_resume_live.py.)"""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from controller_util import make_controller, split_bootstrap
+
+from pivotrl_hpc.checkpoint import layout
+from pivotrl_hpc.checkpoint.layout import CheckpointError
+from pivotrl_hpc.checkpoint.state import capture, check_fixed, restore
+from pivotrl_hpc.config.errors import ConfigError
+from pivotrl_hpc.config.load import load_config
+from pivotrl_hpc.controller.checkpointing import Checkpointer, resume
+
+FIXED = {"rl.batch_size": 4, "rl.steps": 6}
+
+
+def _fake(root, step, whole=True, fixed=None):
+    tmp = layout.staging(root, step)
+    (tmp / layout.POLICY).mkdir()
+    layout.write_state(tmp, {"step": step, "version": step, "fixed": fixed or {}})
+    return layout.commit(tmp, keep=100) if whole else tmp
+
+
+def test_commit_is_whole_or_absent_and_keeps_the_newest(tmp_path):
+    root = tmp_path / "x.checkpoints"
+    for step in (2, 4, 6):
+        _fake(root, step)
+    half = _fake(root, 8, whole=False)          # a job killed while writing step 8
+    assert [p.name for p in layout.whole(root)] == ["step-000002", "step-000004",
+                                                    "step-000006"]
+    assert layout.latest(root).name == "step-000006" and half.exists()
+    tmp = layout.staging(root, 10)
+    (tmp / layout.POLICY).mkdir()
+    layout.write_state(tmp, {"step": 10, "version": 10})
+    assert not layout.is_whole(tmp)             # no COMPLETE yet: not found
+    layout.commit(tmp, keep=2)
+    assert [p.name for p in layout.whole(root)] == ["step-000006", "step-000010"]
+    assert not half.exists() and not tmp.exists()   # stale .tmp folders go on commit
+    assert (root / "step-000010" / layout.MARK).is_file()
+
+
+def test_find_takes_a_checkpoint_its_folder_a_trace_or_a_run(tmp_path):
+    run = tmp_path / "runs" / "pivotrl-17"
+    root = layout.root_for(run / "job.h5")
+    for step in (2, 4):
+        _fake(root, step)
+    newest = (root / "step-000004").resolve()
+    for where in (root / "step-000004", root, run / "job.h5", run / "job.seg2.h5", run):
+        assert layout.find(where) == newest, where
+    assert layout.find(root / "step-000002") == (root / "step-000002").resolve()
+    half = _fake(root, 6, whole=False)
+    with pytest.raises(CheckpointError, match="not a whole checkpoint"):
+        layout.find(half)
+    with pytest.raises(CheckpointError, match="no whole checkpoint at"):
+        layout.find(tmp_path / "nothing")
+    assert layout.resolve(False, run / "job.h5") is None
+    assert layout.resolve("auto", run / "job.h5") == root / "step-000004"
+    assert layout.resolve("auto", tmp_path / "fresh.h5") is None
+
+
+def test_trace_segments_are_numbered_after_the_first(tmp_path):
+    trace = tmp_path / "job.h5"
+    assert layout.segment_trace(trace) == trace
+    trace.write_bytes(b"")
+    assert layout.segment_trace(trace) == tmp_path / "job.seg1.h5"
+    (tmp_path / "job.seg1.h5").write_bytes(b"")
+    assert layout.segment_trace(tmp_path / "job.seg1.h5") == tmp_path / "job.seg2.h5"
+    assert layout.segments(tmp_path / "job.seg1.h5") == [trace, tmp_path / "job.seg1.h5"]
+    assert layout.root_for(tmp_path / "job.seg1.h5") == tmp_path / "job.checkpoints"
+
+
+def test_state_file_must_be_ours(tmp_path):
+    (tmp_path / layout.STATE).write_text("{}")
+    with pytest.raises(CheckpointError, match="not a pivotrl-checkpoint/1"):
+        layout.read_state(tmp_path)
+    (tmp_path / layout.STATE).write_text("{")
+    with pytest.raises(CheckpointError, match="unreadable"):
+        layout.read_state(tmp_path)
+
+
+def test_config_resume_values_and_errors(tmp_path):
+    cfg = "configs/tiny-cpu.yaml"
+    root = os.path.dirname(os.path.dirname(__file__))
+    path = os.path.join(root, cfg)
+    assert load_config(path, ["resume=false"], check_files=False).resume is False
+    assert load_config(path, [], check_files=False).resume == "auto"
+    with pytest.raises(ConfigError, match="'resume': 3 is a int, expected bool or str"):
+        load_config(path, ["resume=3"], check_files=False)
+    with pytest.raises(ConfigError, match="'rl.checkpoint_every': -1 must be >= 0"):
+        load_config(path, ["rl.checkpoint_every=-1"], check_files=False)
+    with pytest.raises(ConfigError, match="'rl.keep_checkpoints': 0 must be >= 1"):
+        load_config(path, ["rl.keep_checkpoints=0"], check_files=False)
+    c = _fake(tmp_path / "r.checkpoints", 3)
+    from pivotrl_hpc.config.validate import _checkpoints
+    cfg_obj = load_config(path, [f"resume={c}"], check_files=False)
+    _checkpoints(cfg_obj, True)                # a whole one passes
+    cfg_obj.resume = str(tmp_path / "r.checkpoints" / "step-000009")
+    with pytest.raises(ConfigError, match="'resume': no whole checkpoint"):
+        _checkpoints(cfg_obj, True)
+    # resume=auto in a run whose checkpoint had another batch: refused before any rank starts
+    _fake(tmp_path / "r.checkpoints", 4, fixed={"rl.batch_size": 99})
+    cfg_obj.resume, cfg_obj.trace.path = "auto", str(tmp_path / "r.h5")
+    with pytest.raises(ConfigError, match=r"'resume': .*step-000004 was made with "
+                                          r"rl.batch_size=99, the config says 4"):
+        _checkpoints(cfg_obj, True)
+    cfg_obj.resume = False
+    _checkpoints(cfg_obj, True)
+
+
+def test_changed_batch_shape_is_refused_by_name():
+    state = {"step": 4, "fixed": {"rl.batch_size": 4, "rl.steps": 8}}
+    check_fixed(state, {"rl.batch_size": 4, "rl.steps": 12}, "ckpt")   # more steps: fine
+    with pytest.raises(CheckpointError, match=r"made with rl.batch_size=4, the config says 8"):
+        check_fixed(state, {"rl.batch_size": 8, "rl.steps": 8}, "ckpt")
+    with pytest.raises(CheckpointError, match="holds 4 trained steps, more than rl.steps=3"):
+        check_fixed(state, {"rl.batch_size": 4, "rl.steps": 3}, "ckpt")
+
+
+def _batches(ctl) -> dict[int, list[tuple]]:
+    """Per step: (sid, prompt, budget, seed, judge budget) of its samples: the data order."""
+    out: dict[int, list[tuple]] = {}
+    for s in sorted(ctl.book.samples.values(), key=lambda s: s.sid):
+        if s.batch >= 0:
+            out.setdefault(s.batch, []).append((s.sid, s.prompt.pid, s.budget,
+                                                s.sampling.seed, s.judge_budget))
+    return out
+
+
+def _run(tmp_path, name, steps=6, resume_from=None, version=0):
+    ctl, workers = make_controller("disaggregated", gpus=8, train=(0, 1, 2, 3), steps=steps,
+                                   k=1, params={"rollout_gpus": 2, "reward_gpus": 2},
+                                   bootstrap=split_bootstrap())
+    workers[0].store.version = version        # GPS would be loaded at the checkpoint's
+    ctl.checkpoints = Checkpointer(tmp_path / f"{name}.checkpoints", 2, 10, FIXED)
+    state = resume(ctl, resume_from) if resume_from else None
+    summary = ctl.run()
+    return ctl, summary, state
+
+
+def test_resume_on_modeled_workers_trains_the_same_data_in_the_same_order(tmp_path):
+    full, _, _ = _run(tmp_path, "full")
+    root = tmp_path / "full.checkpoints"
+    assert [p.name for p in layout.whole(root)] == [f"step-{s:06d}" for s in (2, 4, 6)]
+    ckpt = root / "step-000004"
+    state = json.loads((ckpt / layout.STATE).read_text())
+    assert state["step"] == 4 and state["version"] == 4
+    assert (ckpt / "policy" / "version").read_text() == "4\n"
+    assert sorted(p.name for p in (ckpt / "optim").iterdir()) == [
+        f"rank-{r:03d}.pt" for r in range(4)]
+    # samples of steps 4 and 5 (k = 1) that were not trained yet travel in the checkpoint
+    assert state["samples"] and {s["batch"] for s in state["samples"]} <= {4, 5}
+    resumed, summary, got = _run(tmp_path, "resumed", resume_from=ckpt, version=4)
+    assert got["step"] == 4 and summary["steps"] == 6
+    a, b = _batches(full), _batches(resumed)
+    assert {k: v for k, v in a.items() if k >= 4} == {k: v for k, v in b.items() if k >= 4}
+    assert all(s.state == "trained" for s in resumed.book.samples.values() if s.batch >= 0)
+    # every resumed sample was generated by a policy within the staleness bound
+    assert max(s.batch - s.version for s in resumed.book.samples.values()
+               if s.batch >= 4) <= 1
+    assert resumed.published == 6
+
+
+def test_capture_keeps_finished_samples_and_restarts_the_rest(tmp_path):
+    ctl, _ = make_controller(steps=3, k=2)
+    book = ctl.book
+    samples = book.admit(0, 0.0)
+    s0, s1 = samples[0], samples[1]
+    book.rolled(s0.sid, [5, 6], [-0.1, -0.2], 0, ctl.task)
+    book.rolled(s1.sid, [7], [-0.3], 0, ctl.task)
+    book.rewarded(s1.sid, [3], ctl.task)
+    state = json.loads(json.dumps(capture(ctl, FIXED)))   # what goes through state.json
+    fresh, _ = make_controller(steps=3, k=2)
+    again = restore(fresh, state)
+    roles = {s.sid: role for s, role in again}
+    assert roles[s0.sid] == "reward" and s1.sid not in roles
+    assert all(roles[s.sid] == "rollout" for s in samples[2:])
+    got = fresh.book.samples
+    assert got[s1.sid].score == book.samples[s1.sid].score
+    assert got[s0.sid].response == [5, 6] and got[s0.sid].judge_prompt == s0.judge_prompt
+    assert fresh.book.rng.random() == book.rng.random()      # the book's RNG goes on alike
+    assert fresh.book.next_prompt == book.next_prompt and fresh.book.next_sid == book.next_sid

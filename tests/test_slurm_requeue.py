@@ -1,0 +1,139 @@
+"""Long jobs under Slurm survive being stopped (local two-node cluster, real sbatch/scontrol):
+
+- `slurm/pivot.sbatch`: `scontrol requeue` mid-run kills the job and Slurm starts it again:
+  it resumes from its last periodic checkpoint; then the time-limit signal (`scancel --batch
+  --signal=USR1`, what `--signal=B:USR1@120` sends) makes it checkpoint after its next step
+  and requeue itself; the third start finishes. Three trace segments, every step trained.
+- `pivotrl_hpc.submit`: submitit's timeout signal (USR2 to the batch step) calls
+  `PivotJob.checkpoint`, which has the controller checkpoint; submitit requeues; the job
+  resumes and `job.result()` is the summary of the whole run.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+from live_util import model_overrides
+from slurm_util import ROOT, job_segments, submit_pivot, wait_job
+
+pytestmark = pytest.mark.slurm
+LEARN = str(ROOT / "configs" / "learn-cpu.yaml")
+STEPS = 6
+OVERRIDES = [f"rl.steps={STEPS}", "rl.checkpoint_every=2", "rl.batch_size=4",
+             "paradigm.name=disaggregated"]
+
+
+class SkipRequeueDelay:
+    """Slurm holds a requeued batch job for 120 s (its BeginTime); the test has it start at
+    once (`scontrol update StartTime=now`, what an operator may do) so that it does not wait
+    4 minutes for nothing. The requeue itself is Slurm's own."""
+
+    def __init__(self, cluster, job: str):
+        import threading
+
+        self.cluster, self.job, self.done = cluster, job, threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.done.wait(1.0):
+            p = self.cluster.run("squeue", "-h", "-j", self.job, "-o", "%T %r", check=False)
+            if p.stdout.split() == ["PENDING", "BeginTime"]:
+                self.cluster.run("scontrol", "update", f"JobId={self.job}", "StartTime=now",
+                                 check=False)
+
+    def stop(self) -> None:
+        self.done.set()
+        self.thread.join()
+
+
+def _wait_for(what: str, check, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"no {what} within {timeout:.0f} s"
+        time.sleep(0.5)
+
+
+def _rows(trace: Path, table: str = "steps") -> int:
+    from pivotrl_hpc.trace import open_trace
+
+    try:
+        with open_trace(str(trace)) as t:
+            return t.rows(table)
+    except (OSError, KeyError):
+        return -1
+
+
+def _check_segments(trace: Path, n: int) -> list[dict]:
+    from pivotrl_hpc.checkpoint.layout import segments
+    from pivotrl_hpc.trace import open_trace
+
+    parts = segments(trace)
+    assert len(parts) == n, parts
+    out, steps = [], set()
+    for i, path in enumerate(parts):
+        with open_trace(str(path)) as t:
+            meta, st = t.meta, t.table("steps")
+            events = list(zip(t.table("events")["kind"], t.table("events")["message"]))
+        steps |= {int(s) for s in st["step"]}
+        assert bool(meta["resumed_from"]) == (i > 0)
+        out.append({"meta": meta, "steps": [int(s) for s in st["step"]], "events": events})
+    assert steps == set(range(STEPS))
+    return out
+
+
+def _restarts(cluster, job: str) -> int:
+    info = cluster.run("scontrol", "show", "job", "-o", job).stdout
+    return int(dict(t.split("=", 1) for t in info.split() if "=" in t)["Restarts"])
+
+
+def test_sbatch_job_requeued_mid_run_and_by_the_time_limit_signal_completes(
+        slurm_cluster, tiny_models, tmp_path):
+    folder = tmp_path / "job"
+    job = submit_pivot(slurm_cluster, folder, ["--gres=gpu:4", "--time=30"], LEARN,
+                       [*model_overrides(tiny_models), *OVERRIDES])
+    run = folder / "runs" / f"pivotrl-{job}"
+    trace, ckpts = run / "learn-cpu.h5", run / "learn-cpu.checkpoints"
+    skip = SkipRequeueDelay(slurm_cluster, job)
+    try:
+        _wait_for("checkpoint of step 2", lambda: (ckpts / "step-000002" / "COMPLETE").exists())
+        slurm_cluster.run("scontrol", "requeue", job)
+        seg1 = run / "learn-cpu.seg1.h5"
+        _wait_for("a step trained after the requeue", lambda: _rows(seg1) >= 1)
+        slurm_cluster.run("scancel", "--batch", "--signal=USR1", job)
+        res = wait_job(slurm_cluster, job, folder / "job.out", timeout=900)
+    finally:
+        skip.stop()
+    assert res.state == "COMPLETED" and res.exit_code == 0, res.output[-3000:]
+    assert _restarts(slurm_cluster, job) == 2
+    assert "requeued: it resumes from there" in res.output, res.output[-3000:]
+    segs = _check_segments(trace, 3)
+    assert any(kind == "checkpoint" for kind, _ in segs[1]["events"])
+    # the signal's checkpoint is the one the third start resumed from
+    assert Path(segs[2]["meta"]["resumed_from"]).name == f"step-{segs[1]['steps'][-1] + 1:06d}"
+    assert job_segments(job) == []
+
+
+def test_submitit_timeout_signal_checkpoints_and_requeues(slurm_cluster, tiny_models,
+                                                          tmp_path, monkeypatch):
+    import pivotrl_hpc
+
+    for k in ("SLURM_CONF", "OMPI_MCA_btl", "UCX_MODULES"):
+        monkeypatch.setenv(k, slurm_cluster.env[k])
+    root = tmp_path / "runs"
+    job = pivotrl_hpc.submit(LEARN, [*model_overrides(tiny_models), *OVERRIDES,
+                                     "rl.checkpoint_every=0"], runs_root=root, time=30)
+    trace = root / f"pivotrl-{job.job_id}" / "learn-cpu.h5"
+    skip = SkipRequeueDelay(slurm_cluster, job.job_id)
+    try:
+        _wait_for("a trained step", lambda: _rows(trace) >= 1)
+        slurm_cluster.run("scancel", "--batch", "--signal=USR2", job.job_id)
+        summary = job.result()
+    finally:
+        skip.stop()
+    assert summary["steps"] == STEPS and summary["job_id"] == job.job_id
+    segs = _check_segments(trace, 2)
+    assert Path(segs[1]["meta"]["resumed_from"]).name.startswith("step-")
+    assert _restarts(slurm_cluster, job.job_id) == 1
+    assert job_segments(job.job_id) == []
