@@ -226,3 +226,14 @@ def test_a_rollout_replica_that_read_before_a_publish_is_reloaded_before_it_serv
     samples = [s for s in ctl.book.samples.values() if s.batch >= 0]
     assert summary["steps"] == 6 and max(lag(s) for s in samples) <= 2
     assert summary["max_lag"] <= 2
+
+
+def test_a_job_book_drops_what_it_trained():
+    """Live and simulated jobs keep only samples not trained yet (the book would otherwise
+    grow by a batch every step); the trace has the trained ones."""
+    ctl, _ = make_controller("disaggregated", params={"rollout_gpus": 2, "reward_gpus": 2},
+                             steps=4, eval_every=2)
+    ctl.book.keep_trained = False
+    summary = ctl.run()
+    assert summary["steps"] == 4 and ctl.book.samples == {}
+    assert ctl.book.next_sid == 4 * 4 * 4 + 2 * 4   # 4 steps of 16, 2 evaluations of 4

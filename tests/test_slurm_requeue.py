@@ -4,6 +4,9 @@
   it resumes from its last periodic checkpoint; then the time-limit signal (`scancel --batch
   --signal=USR1`, what `--signal=B:USR1@120` sends) makes it checkpoint after its next step
   and requeue itself; the third start finishes. Three trace segments, every step trained.
+- preemption: a job of the `urgent` partition (PriorityTier 2) takes the node; Slurm stops
+  the job in order (SIGTERM) and requeues it, and it resumes from its last periodic
+  checkpoint.
 - `pivotrl_hpc.submit`: submitit's timeout signal (USR2 to the batch step) calls
   `PivotJob.checkpoint`, which has the controller checkpoint; submitit requeues; the job
   resumes and `job.result()` is the summary of the whole run.
@@ -112,6 +115,30 @@ def test_sbatch_job_requeued_mid_run_and_by_the_time_limit_signal_completes(
     assert any(kind == "checkpoint" for kind, _ in segs[1]["events"])
     # the signal's checkpoint is the one the third start resumed from
     assert Path(segs[2]["meta"]["resumed_from"]).name == f"step-{segs[1]['steps'][-1] + 1:06d}"
+    assert job_segments(job) == []
+
+
+def test_preempted_job_is_requeued_and_resumes_from_its_last_checkpoint(
+        slurm_cluster, tiny_models, tmp_path):
+    folder = tmp_path / "job"
+    job = submit_pivot(slurm_cluster, folder, ["--gres=gpu:4", "--time=30", "-w", "n1"],
+                       LEARN, [*model_overrides(tiny_models), *OVERRIDES])
+    run = folder / "runs" / f"pivotrl-{job}"
+    skip = SkipRequeueDelay(slurm_cluster, job)
+    try:
+        _wait_for("checkpoint of step 2", lambda: (run / "learn-cpu.checkpoints" /
+                                                   "step-000002" / "COMPLETE").exists())
+        urgent = slurm_cluster.sbatch("-p", "urgent", "-w", "n1", "--gres=gpu:8",
+                                      "--time=2", "-o", "/dev/null", "--wrap", "sleep 5",
+                                      cwd=tmp_path)
+        res = wait_job(slurm_cluster, job, folder / "job.out", timeout=900)
+    finally:
+        skip.stop()
+    assert res.state == "COMPLETED" and res.exit_code == 0, res.output[-3000:]
+    assert wait_job(slurm_cluster, urgent).state == "COMPLETED"
+    assert "stopped by SIGTERM" in res.output and _restarts(slurm_cluster, job) == 1
+    segs = _check_segments(run / "learn-cpu.h5", 2)
+    assert Path(segs[1]["meta"]["resumed_from"]).name in ("step-000002", "step-000004")
     assert job_segments(job) == []
 
 

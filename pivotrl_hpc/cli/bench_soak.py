@@ -2,7 +2,8 @@
 
 Runs a real `pivotrl run` and, once the trace shows step `--early` (20) and again at the last
 step, samples every rank and its engine hosts: RSS (VmRSS), open file descriptors, and the
-job's bytes in /dev/shm (its GPS folder files, by allocated blocks). Prints, per process and
+job's bytes in /dev/shm (its GPS folder files, by allocated blocks); each the least of five
+readings a second apart, as a reading taken inside a shift sees a half-built engine. Prints, per process and
 in total, both samples and the ratio late / early, and `within` (every ratio <= 1 + the
 tolerance, 5 %). Progress on stderr.
 """
@@ -48,7 +49,22 @@ def _proc(pid: int) -> dict[str, int] | None:
     return {"rss_kb": rss, "fds": fds}
 
 
-def sample(logs: Path, job: str) -> dict:
+def sample(logs: Path, job: str, times: int = 5) -> dict:
+    """The least of `times` readings a second apart (a shift in progress holds an engine's
+    build for a moment: a reading inside one is not what stays)."""
+    got = []
+    for i in range(times):
+        if i:
+            time.sleep(1.0)
+        got.append(_sample_once(logs, job))
+    procs = {}
+    for name in got[0]["procs"]:
+        seen = [g["procs"][name] for g in got if name in g["procs"]]
+        procs[name] = {k: min(s[k] for s in seen) for k in seen[0]}
+    return {"procs": procs, "shm_bytes": min(g["shm_bytes"] for g in got)}
+
+
+def _sample_once(logs: Path, job: str) -> dict:
     """RSS and fds of every rank (rank-N.pid) and its engine hosts; the job's shm bytes."""
     from pivotrl_hpc.gps.shmdir import job_files
 

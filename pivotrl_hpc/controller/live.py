@@ -103,7 +103,8 @@ def build_controller(cfg: Config, devices: Devices, clock, trace,
         cfg.data.validation and cfg.rl.eval_every) else []
     book = RLBook(prompts, steps=cfg.rl.steps, batch_size=cfg.rl.batch_size,
                   group_size=cfg.rl.group_size, staleness=cfg.rl.staleness,
-                  lengths=lengths(cfg), temperature=cfg.rl.temperature, seed=cfg.rl.seed)
+                  lengths=lengths(cfg), temperature=cfg.rl.temperature, seed=cfg.rl.seed,
+                  keep_trained=False)
     policy = make_paradigm_policy(cfg)
     tau = TauTracker(initial_tau(cfg))
     tau.attach(policy)

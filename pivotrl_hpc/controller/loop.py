@@ -287,6 +287,8 @@ class Controller:
         step = -1 - s.batch
         self._eval_correct[step] += int(self.task.correct(s.prompt, s.response))
         self._eval_pending[step] -= 1
+        if not self.book.keep_trained:
+            del self.book.samples[s.sid]
         if self._eval_pending[step] == 0:
             del self._eval_pending[step]
             self.report.validation(step, self._eval_correct[step] / len(self.validation))

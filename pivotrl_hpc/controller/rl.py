@@ -92,12 +92,15 @@ class Lengths:
 class RLBook:
     def __init__(self, prompts: Sequence[PromptData], *, steps: int, batch_size: int,
                  group_size: int, staleness: int, lengths: Lengths, temperature: float,
-                 seed: int = 0) -> None:
+                 seed: int = 0, keep_trained: bool = True) -> None:
         self.prompts, self.steps = list(prompts), steps
         self.batch_size, self.group_size, self.k = batch_size, group_size, staleness
         self.lengths, self.temperature = lengths, temperature
         self.rng = random.Random(seed)
         self.samples: dict[int, Sample] = {}
+        # False (a job): a trained sample is dropped, else the book grows by a batch a step
+        # (20 MB over 200 tiny steps, `pivotrl bench soak`); tests keep them to inspect
+        self.keep_trained = keep_trained
         self.next_prompt = 0               # prompts admitted so far
         self.next_sid = 0
         self.held_s = 0.0                  # seconds admission was held by the staleness bound
@@ -186,6 +189,8 @@ class RLBook:
         members = self.batch_samples(step)
         for s in members:
             s.state = "trained"
+            if not self.keep_trained:
+                del self.samples[s.sid]
         return members
 
     def in_flight(self) -> int:
