@@ -184,3 +184,48 @@ def test_capture_keeps_finished_samples_and_restarts_the_rest(tmp_path):
     assert got[s0.sid].response == [5, 6] and got[s0.sid].judge_prompt == s0.judge_prompt
     assert fresh.book.rng.random() == book.rng.random()      # the book's RNG goes on alike
     assert fresh.book.next_prompt == book.next_prompt and fresh.book.next_sid == book.next_sid
+
+
+def _policy_checkpoint(root, models, tensors=None):
+    """A whole checkpoint whose policy is the tiny policy (or `tensors` in its place)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    tmp = layout.staging(root, 2)
+    shutil.copytree(models / "policy", tmp / layout.POLICY)
+    if tensors is not None:
+        weights = load_file(str(tmp / layout.POLICY / "model.safetensors"))
+        tensors(weights)
+        save_file(weights, str(tmp / layout.POLICY / "model.safetensors"))
+    layout.write_state(tmp, {"step": 2, "version": 2})
+    return layout.commit(tmp, keep=2)
+
+
+def test_export_copies_a_checked_policy_and_refuses_broken_ones(tiny_models, tmp_path):
+    import subprocess
+    import sys
+
+    from pivotrl_hpc.checkpoint.export import export
+
+    ckpt = _policy_checkpoint(tmp_path / "a.checkpoints", tiny_models)
+    info = export(tmp_path / "a.h5", tmp_path / "out")
+    assert info["step"] == 2 and info["tensors"] > 0 and info["checkpoint"] == str(ckpt)
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == (
+        ckpt / "policy" / "model.safetensors").read_bytes()
+    assert json.loads((tmp_path / "out" / "pivotrl_export.json").read_text())["version"] == 2
+    with pytest.raises(CheckpointError, match="exists and is not empty"):
+        export(ckpt, tmp_path / "out")
+    name = "model.norm.weight"
+    for breaks, message in (
+            (lambda w: w[name].fill_(float("nan")), f"{name} holds non-finite values"),
+            (lambda w: w.update({name: w[name][:-1].clone()}), f"{name} is"),
+            (lambda w: w.pop(name), "tensors missing")):
+        bad = _policy_checkpoint(tmp_path / f"b{len(message)}.checkpoints", tiny_models, breaks)
+        with pytest.raises(CheckpointError, match=message):
+            export(bad, tmp_path / "never")
+        assert not (tmp_path / "never").exists()
+    p = subprocess.run([sys.executable, "-m", "pivotrl_hpc.cli.main", "export",
+                        str(tmp_path / "none.h5"), "--out", str(tmp_path / "x")],
+                       capture_output=True, text=True)
+    assert p.returncode == 2 and p.stderr.startswith("pivotrl export: no whole checkpoint")

@@ -27,6 +27,8 @@ HELP = {
     ("bench", "shift"): ["--sizes", "--repeat", "--models-dir", "--json"],
     ("bench", "e2e"): ["--config", "--steps", "--paradigms", "overrides"],
     ("bench", "sim"): ["--gpus", "--steps", "--config", "--paradigm", "--json"],
+    ("bench", "soak"): ["--config", "--steps", "--early", "--tolerance", "--out", "overrides"],
+    ("export",): ["RUN_OR_CHECKPOINT", "--out", "--force", "--json"],
     ("simulate",): ["config", "--paradigms", "--from-trace", "--train-seconds", "--out"],
     ("report",): ["trace", "--out"],
     ("profile",): ["throughput"],
