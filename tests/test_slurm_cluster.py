@@ -14,7 +14,10 @@ pytestmark = pytest.mark.slurm
 
 
 def test_cluster_shape(slurm_cluster):
-    out = slurm_cluster.run("sinfo", "-h", "-N", "-o", "%N %c %G %t").stdout.split("\n")
+    # one partition: the nodes are in `urgent` too (preemption), and sinfo -N lists a node
+    # once per partition
+    out = slurm_cluster.run("sinfo", "-h", "-N", "-p", "debug", "-o",
+                            "%N %c %G %t").stdout.split("\n")
     rows = sorted(line.split() for line in out if line.strip())
     assert [(r[0], r[1], r[2]) for r in rows] == [("n1", "16", "gpu:8"), ("n2", "16", "gpu:8")]
     # responding and usable (other sessions' jobs may keep a node mix/alloc/completing)
@@ -28,7 +31,7 @@ def test_start_is_idempotent_and_env_is_evalable(slurm_cluster):
     env = slurm_cluster.run(str(CLUSTER_SH), "env").stdout
     assert f"export SLURM_CONF={slurm_cluster.run_dir}/slurm.conf" in env
     # eval'd in bash, the lines give a working client environment
-    p = subprocess.run(["bash", "-c", f'eval "$({CLUSTER_SH} env)" && sinfo -h -o %D'],
+    p = subprocess.run(["bash", "-c", f'eval "$({CLUSTER_SH} env)" && sinfo -h -p debug -o %D'],
                        env={k: v for k, v in os.environ.items() if k != "SLURM_CONF"},
                        capture_output=True, text=True, timeout=30)
     assert p.stdout.strip() == "2", p.stderr
