@@ -240,3 +240,18 @@ def test_bench_e2e_searches_both_static_baselines_and_computes_speedups(tiny_mod
                                                           "disaggregated": 1.0}
     w = bench_e2e.workload(args)
     assert w["cluster"]["cpu_share"] == 0.2 and w["rl"]["batch_size"] == 4
+
+
+def test_bench_soak_compares_late_to_early_and_flags_growth():
+    from pivotrl_hpc.cli.bench_soak import compare
+
+    early = {"procs": {"rank-0": {"rss_kb": 1000, "fds": 10}}, "shm_bytes": 100}
+    same = compare(early, {"procs": {"rank-0": {"rss_kb": 1040, "fds": 10}},
+                           "shm_bytes": 100}, 0.05)
+    assert same["within"] and same["worst_ratio"] == 1.04 and same["shm_ratio"] == 1.0
+    grew = compare(early, {"procs": {"rank-0": {"rss_kb": 1000, "fds": 12}},
+                           "shm_bytes": 100}, 0.05)
+    assert not grew["within"] and grew["ratios"]["rank-0"]["fds"] == 1.2
+    leak = compare(early, {"procs": {"rank-0": {"rss_kb": 1000, "fds": 10}},
+                           "shm_bytes": 200}, 0.05)
+    assert not leak["within"] and leak["shm_ratio"] == 2.0

@@ -44,9 +44,8 @@ def _proc(pid: int) -> dict[str, int] | None:
         fds = len(os.listdir(f"/proc/{pid}/fd"))
     except OSError:
         return None
-    rss = next(int(line.split()[1]) for line in status.splitlines()
-               if line.startswith("VmRSS:"))
-    return {"rss_kb": rss, "fds": fds}
+    rss = [int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")]
+    return {"rss_kb": rss[0], "fds": fds} if rss else None   # none: a zombie
 
 
 def sample(logs: Path, job: str, times: int = 5) -> dict:
@@ -117,7 +116,8 @@ def main(args: argparse.Namespace) -> int:
     while proc.poll() is None and len(samples) < 2:
         done = _steps_done(trace)
         job = job or _job_of(logs)
-        for name, at in (("early", args.early), ("late", args.steps - 1)):
+        # late: a few steps before the end, so that the five readings end before the job does
+        for name, at in (("early", args.early), ("late", max(args.early + 1, args.steps - 3))):
             if name not in samples and done >= at and job:
                 samples[name] = {"step": done, "t": time.monotonic() - t0, **sample(logs, job)}
                 print(f"bench soak: sampled at step {done}", file=sys.stderr, flush=True)
