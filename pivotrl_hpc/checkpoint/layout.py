@@ -124,15 +124,23 @@ def commit(tmp: Path, keep: int) -> Path:
     return final
 
 
+KEYWORDS = ("auto", "false", "")   # resume values that name no checkpoint
+
+
+def names_a_path(resume: bool | str) -> bool:
+    """Whether `resume` names a checkpoint (a path), rather than auto / false / afresh."""
+    return isinstance(resume, str) and resume not in KEYWORDS
+
+
 def resolve(resume: bool | str, trace: str | os.PathLike) -> Path | None:
     """The checkpoint a job starts from: `resume` true/"auto" -> the newest whole one of the
     run (None if there is none), false -> None, a path -> that one (or the newest whole one
     inside it, when it is a checkpoints folder or a run's trace)."""
-    if resume is False or resume in ("false", "no", ""):
-        return None
+    if names_a_path(resume):
+        return find(resume)
     if resume is True or resume == "auto":
         return latest(root_for(trace))
-    return find(resume)
+    return None
 
 
 def find(where: str | os.PathLike) -> Path:

@@ -23,6 +23,10 @@ FIXED_KEYS = ("rl.batch_size", "rl.group_size", "rl.seed", "rl.staleness", "data
               "models.policy.path")
 
 
+# a kept sample's state -> the role it goes back to (a rewarded one waits for its step)
+AGAIN = {"admitted": "rollout", "rolled": "reward"}
+
+
 def capture(ctl, fixed: Mapping[str, Any]) -> dict[str, Any]:
     """The state of `ctl` (controller.loop.Controller) between two steps."""
     book = ctl.book
@@ -63,8 +67,8 @@ def restore(ctl, state: Mapping[str, Any]) -> list:
     for data in state["samples"]:
         s = _sample_from_json(data, by_pid)
         book.samples[s.sid] = s
-        again.append((s, "rollout" if s.state == "admitted" else "reward"
-                      if s.state == "rolled" else None))
+        if s.state in AGAIN:
+            again.append((s, AGAIN[s.state]))
     for role, consts in state["throughput"].items():
         if role in ctl.models and not ctl.models[role].fixed:
             ctl.models[role].model = ThroughputModel.from_dict(consts)
@@ -73,7 +77,7 @@ def restore(ctl, state: Mapping[str, Any]) -> list:
     ctl.tau.counts.update({k: int(v) for k, v in state["tau_counts"].items()})
     ctl.step = int(state["step"])
     ctl.executor.published = int(state["version"])
-    return [(s, role) for s, role in again if role is not None]
+    return again
 
 
 def _sample_to_json(s) -> dict[str, Any]:
@@ -83,8 +87,6 @@ def _sample_to_json(s) -> dict[str, Any]:
     out["pid"] = s.prompt.pid
     out["sampling"] = dataclasses.asdict(s.sampling)
     out["score"] = None if s.score is None else dataclasses.asdict(s.score)
-    if s.state == "admitted":   # restarts from its prompt: nothing of a device it was on
-        out.update(response=[], logprobs=[], version=None)
     return out
 
 
@@ -96,11 +98,10 @@ def _sample_from_json(d: Mapping[str, Any], prompts: Mapping[int, Any]):
                               "no longer has")
     sampling = d["sampling"]
     sampling = Sampling(**{**sampling, "stop_token_ids": tuple(sampling["stop_token_ids"])})
-    s = Sample(int(d["sid"]), prompts[d["pid"]], int(d["batch"]), int(d["budget"]), sampling,
-               int(d["judge_budget"]), list(d["response"]), list(d["logprobs"]), d["version"],
-               list(d["judge_prompt"]), list(d["judgement"]),
-               None if d["score"] is None else Score(**d["score"]), d["state"])
-    return s
+    return Sample(int(d["sid"]), prompts[d["pid"]], int(d["batch"]), int(d["budget"]),
+                  sampling, int(d["judge_budget"]), list(d["response"]), list(d["logprobs"]),
+                  d["version"], list(d["judge_prompt"]), list(d["judgement"]),
+                  None if d["score"] is None else Score(**d["score"]), d["state"])
 
 
 def _rng_to_json(state: tuple) -> list:

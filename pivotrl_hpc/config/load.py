@@ -10,6 +10,7 @@ from typing import Any, Literal, get_args, get_origin
 
 import yaml
 
+from pivotrl_hpc.checkpoint.layout import names_a_path
 from pivotrl_hpc.config.errors import ConfigError
 from pivotrl_hpc.config.schema import Config
 
@@ -111,7 +112,7 @@ def resolve_paths(cfg: Config, base: Path) -> Config:
     cfg.trace.path = fix("trace.path", cfg.trace.path)
     cfg.paradigm.throughput_profile = fix("paradigm.throughput_profile",
                                           cfg.paradigm.throughput_profile)
-    if isinstance(cfg.resume, str) and cfg.resume not in ("auto", "false", ""):
+    if names_a_path(cfg.resume):
         cfg.resume = fix("resume", cfg.resume)
     return cfg
 

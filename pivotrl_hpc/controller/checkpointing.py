@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 from pivotrl_hpc.checkpoint import layout
 from pivotrl_hpc.checkpoint.state import capture, restore
@@ -35,8 +35,6 @@ class Checkpointer:
         self.root, self.every, self.keep, self.fixed = Path(root), every, keep, dict(fixed)
         self.logs = logs
         self.mode: str | None = None      # a request pending: "checkpoint" or "requeue"
-        self.written: list[Path] = []
-        self.on_written: list[Callable[[Path], None]] = []
         self._poll_at = 0.0
 
     def due(self, step: int, last: int) -> bool:
@@ -74,7 +72,6 @@ class Checkpointer:
         check_replies(replies)
         layout.write_state(tmp, state)
         final = layout.commit(tmp, self.keep)
-        self.written.append(final)
         ctl.training.active = False
         ctl._event()
         seconds = ctl.clock.now() - t0
@@ -85,8 +82,6 @@ class Checkpointer:
                                  f"({size / 2**20:.1f} MiB, {seconds:.2f} s, "
                                  f"{len(state['samples'])} samples in flight kept)")
         log.info("checkpoint of step %d written to %s (%.2f s)", state["step"], final, seconds)
-        for hook in self.on_written:
-            hook(final)
         if mode == REQUEUE:
             ctl.stop_reason = f"checkpointed at step {state['step']} for a requeue"
             if self.logs is not None:

@@ -81,8 +81,10 @@ def worker_spec(cfg: Any, device: int, job: str, node: str, port_base: int):
 def resumed_from(cfg: Any) -> str:
     """The checkpoint folder this job resumes from, once the launch resolved `resume` to
     one (launch.entry); "" for a fresh start or an unresolved setting."""
+    from pivotrl_hpc.checkpoint.layout import names_a_path
+
     r = getattr(cfg, "resume", "")
-    return r if isinstance(r, str) and r not in ("", "auto", "false") else ""
+    return r if names_a_path(r) else ""
 
 
 def replica_size(cfg: Any, model: str) -> int:
