@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 import statistics
 import time
 import warnings
@@ -18,12 +16,12 @@ from pathlib import Path
 
 warnings.filterwarnings("ignore")
 
-import torch  # noqa: E402
 
 from pivotrl_hpc.engines.host import rss_bytes  # noqa: E402
-from pivotrl_hpc.engines.megatron.batch import RolloutBatch  # noqa: E402
+from pivotrl_hpc.engines.megatron.batch import random_batch  # noqa: E402
 from pivotrl_hpc.engines.megatron.model import ModelBuildConfig  # noqa: E402
-from pivotrl_hpc.engines.megatron.parallel import destroy_model_parallel  # noqa: E402
+from pivotrl_hpc.engines.megatron.parallel import (  # noqa: E402
+    destroy_model_parallel, single_process_world)
 from pivotrl_hpc.engines.megatron.trainer import (  # noqa: E402
     MegatronTrainer, OptimConfig, TrainerConfig)
 from pivotrl_hpc.gps.shapes import ModelShape  # noqa: E402
@@ -33,34 +31,18 @@ def rss_mib() -> float:
     return rss_bytes() / 2**20
 
 
-def batch(shape: ModelShape, seq: int) -> RolloutBatch:
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, shape.vocab_size, (seq // 4,), generator=g).tolist()
-               for _ in range(4)]
-    responses = [torch.randint(3, shape.vocab_size, (seq - seq // 4,), generator=g).tolist()
-                 for _ in range(4)]
-    return RolloutBatch.from_sequences(prompts, responses, [[-1.0] * len(r) for r in responses],
-                                       [1.0, 0.0, 0.5, 0.0], [0, 0, 0, 0])
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model_dir", type=Path)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seq", type=int, default=64)
     args = ap.parse_args()
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    if "MASTER_PORT" not in os.environ:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
+    single_process_world()
     shape = ModelShape.from_hf_config(args.model_dir)
     tr = MegatronTrainer(shape, TrainerConfig(model=ModelBuildConfig(tp_size=1),
                                               optim=OptimConfig(lr=1e-5)))
     tr.load_hf_folder(args.model_dir)
-    b = batch(shape, args.seq)
+    b = random_batch(shape.vocab_size, 4, args.seq)
     step = tr.train_step(b)  # creates Adam state and fills the grad buffer
     offs, rels, rss = [], [], {}
     for i in range(args.repeats):

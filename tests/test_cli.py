@@ -28,6 +28,7 @@ HELP = {
     ("bench", "e2e"): ["--config", "--steps", "--paradigms", "overrides"],
     ("bench", "sim"): ["--gpus", "--steps", "--config", "--paradigm", "--json"],
     ("bench", "soak"): ["--config", "--steps", "--early", "--tolerance", "--out", "overrides"],
+    ("bench", "gpu"): ["--device", "--sizes-mb", "--train", "--repeats", "--no-nixl", "--json"],
     ("export",): ["RUN_OR_CHECKPOINT", "--out", "--force", "--json"],
     ("simulate",): ["config", "--paradigms", "--from-trace", "--train-seconds", "--out"],
     ("report",): ["trace", "--out"],

@@ -19,6 +19,8 @@ BENCHES: dict[str, tuple[str, str, str | None]] = {
             None),
     "soak": ("pivotrl_hpc.cli.bench_soak", "a long job watched for leaks (RSS, fds, shm)",
              None),
+    "gpu": ("pivotrl_hpc.cli.bench_gpu", "the GPU path: GPS Read into CUDA, Megatron shifts "
+            "(profiling/gpu_check.sh)", None),
     "sim": ("pivotrl_hpc.cli.bench_sim", "wall seconds of a simulated RL step at N devices",
             None),
 }

@@ -52,15 +52,8 @@ def bench_size(size: str, base: Path, repeat: int, engine_process: bool = False)
 
     dirs = _models(size, base)
     if engine_process:  # no vLLM world in this process for the trainer to join: its own
-        import os
-        import socket
-
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"),
-                           ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port))):
-            os.environ.setdefault(key, value)
+        from pivotrl_hpc.engines.megatron.parallel import single_process_world
+        single_process_world()
     opts = EngineOptions(max_model_len=256, kv_cache_memory_bytes=64 * 2**20)
     spec = WorkerSpec(model_dirs=dirs, engine_options={"policy": opts, "genrm": opts},
                       trainer_config=TrainerConfig(), engine_process=engine_process)

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from pivotrl_hpc.gps import control, shmdir
+from pivotrl_hpc.gps import control, device, shmdir
 from pivotrl_hpc.gps.control import GPSUnavailable
 from pivotrl_hpc.gps.agent import control_path, socket_address
 from pivotrl_hpc.gps.convert import megatron_shard_to_hf_slices
@@ -262,6 +262,9 @@ class GPSClient:
             if idx is not None:
                 wanted[name] = idx
         sources = self._remote_sources(model, pin, wanted) if self.ctl.group_size > 1 else {}
+        to_device = out is not None and device.on_device(out.values())
+        if to_device:
+            seg.register_device(writable=False)   # kept with the mapping: once per version
         res: dict[str, Tensor] = {}
         for name, idx in wanted.items():
             src = sources.get(name)
@@ -273,6 +276,7 @@ class GPSClient:
                 res[name] = _copy(torch.empty(view.shape, dtype=view.dtype), view)
             else:
                 res[name] = view
+        device.synchronize(to_device)   # the bytes are copied before the pin is released
         if layout == "megatron":
             return to_megatron(res, shape, place, padded_vocab_size)
         return res
@@ -356,8 +360,12 @@ class GPSClient:
                     # rest of this shard stays until every node has the version. Reserve it
                     # now: a full /dev/shm fails here with the figure, not with a SIGBUS.
                     seg.reserve(fd, ranges)
+                to_device = device.on_device(t for _, _, t in slices)
+                if to_device:
+                    seg.register_device(writable=True)
                 for name, index, values in slices:
                     _copy(seg.tensor(name)[index], values)
+                device.synchronize(to_device)   # landed before `written` is sent
             finally:
                 seg.close()
         finally:

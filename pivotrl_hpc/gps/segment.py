@@ -172,6 +172,7 @@ class Segment:
     def __init__(self, path: Path, mm: mmap.mmap, header: Header, fd: int | None = None):
         self.path, self.mm, self.header, self.fd = path, mm, header, fd
         self._u8 = np.frombuffer(mm, dtype=np.uint8)
+        self._registered: int | None = None   # address page-locked for device copies
 
     @classmethod
     def create(cls, path: Path, header: Header,
@@ -242,7 +243,19 @@ class Segment:
                 0, dtype=DTYPES[t.dtype])
         return flat.view(t.shape)
 
+    def register_device(self, writable: bool) -> bool:
+        """Page-lock the mapping for DMA to and from the GPU, once (gps/device.py)."""
+        if self._registered is None:
+            from pivotrl_hpc.gps import device
+            if device.register(self.address, len(self.mm), writable=writable):
+                self._registered = self.address
+        return self._registered is not None
+
     def close(self) -> None:
+        if self._registered is not None:   # before the unmap: the driver holds its pages
+            from pivotrl_hpc.gps import device
+            device.unregister(self._registered)
+            self._registered = None
         self._u8 = None
         try:
             self.mm.close()

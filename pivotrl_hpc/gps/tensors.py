@@ -38,7 +38,10 @@ def copy_into(dst: Tensor, src: Tensor) -> Tensor:
             and dst.is_contiguous() and src.is_contiguous()):
         ctypes.memmove(dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size())
         return dst
-    return dst.copy_(src)  # strided slices, dtype conversions (bf16 trainer -> f32), devices
+    if dst.device.type == "cuda" or src.device.type == "cuda":
+        # a DMA from or to a registered mapping; the Read or Write synchronises once at its end
+        return dst.copy_(src, non_blocking=True)
+    return dst.copy_(src)  # strided slices, dtype conversions (bf16 trainer -> f32)
 
 
 def to_megatron(hf: dict[str, Tensor], shape: ModelShape, place: ParallelPlace,

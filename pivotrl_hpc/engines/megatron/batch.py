@@ -78,3 +78,16 @@ class RolloutBatch:
                             behaviour_logprobs=self.behaviour_logprobs[rows],
                             rewards=self.rewards[rows], group_ids=self.group_ids[rows],
                             reference_logprobs=ref)
+
+
+def random_batch(vocab_size: int, n: int, seq: int, seed: int = 0) -> RolloutBatch:
+    """`n` random sequences of `seq` tokens (a quarter prompt), groups of 4 with rewards
+    1, 0, 0.5, 0: a GRPO batch with non-zero advantages for benchmarks and checks."""
+    g = torch.Generator().manual_seed(seed)
+    prompt, response = seq // 4, seq - seq // 4
+    prompts = [torch.randint(3, vocab_size, (prompt,), generator=g).tolist() for _ in range(n)]
+    responses = [torch.randint(3, vocab_size, (response,), generator=g).tolist()
+                 for _ in range(n)]
+    return RolloutBatch.from_sequences(prompts, responses, [[-1.0] * response] * n,
+                                       [(1.0, 0.0, 0.5, 0.0)[i % 4] for i in range(n)],
+                                       [i // 4 for i in range(n)])

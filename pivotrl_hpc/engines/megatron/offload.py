@@ -47,7 +47,7 @@ class OffloadStats:
     host_bytes: dict[str, int] = field(default_factory=dict)  # of those, copied via host
 
 
-def _unique_storages(tensors: Iterable[torch.Tensor], seen: set[int]) -> list[torch.UntypedStorage]:
+def unique_storages(tensors: Iterable[torch.Tensor], seen: set[int]) -> list[torch.UntypedStorage]:
     out = []
     for t in tensors:
         s = t.untyped_storage()
@@ -82,7 +82,7 @@ class HostOffloader:
         seen = {t.untyped_storage().data_ptr() for t in keep_resident}
         # Resolve every category's storages before freeing any, so a storage shared by two
         # categories is counted (and moved) once, in the first category that names it.
-        plan = {name: _unique_storages(groups.get(name, []), seen) for name in CATEGORIES}
+        plan = {name: unique_storages(groups.get(name, []), seen) for name in CATEGORIES}
         discard = set(discard)
         for name, storages in plan.items():
             t0 = time.perf_counter()

@@ -51,6 +51,20 @@ class ParallelLayout:
     dp_rank: int
 
 
+def single_process_world() -> None:
+    """The env vars of a one-rank torch world on a free local port (benchmarks and checks that
+    run a trainer in the calling process); variables already set are kept."""
+    import socket
+
+    if "MASTER_PORT" not in os.environ:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
+    for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"),
+                       ("MASTER_ADDR", "127.0.0.1")):
+        os.environ.setdefault(key, value)
+
+
 def init_distributed(timeout_s: float = 300.0) -> None:
     """Join the default process group from the usual env vars (RANK, WORLD_SIZE, MASTER_*).
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from pivotrl_hpc.engines.megatron.batch import RolloutBatch
 from pivotrl_hpc.engines.megatron.grpo import GRPOConfig, group_advantages, policy_loss
 from pivotrl_hpc.engines.megatron.model import ModelBuildConfig, build_gpt_model
-from pivotrl_hpc.engines.megatron.offload import HostOffloader
+from pivotrl_hpc.engines.megatron.offload import HostOffloader, unique_storages
 from pivotrl_hpc.engines.megatron.parallel import (
     device_scope, ensure_device_support, initialize_model_parallel, on_gpu)
 from pivotrl_hpc.gps.convert import hf_to_megatron, megatron_shard_to_hf_slices, megatron_to_hf
@@ -317,6 +317,13 @@ class MegatronTrainer:
         stats = self._offloader.reload()
         self.last_reload_bytes = stats.bytes
         return dict(stats.seconds, total=time.perf_counter() - t0)
+
+    def device_bytes(self) -> int:
+        """Bytes of the role's state on the device (params, main params, optimizer state,
+        grads; each storage once): what a shift down frees, 0 while offloaded."""
+        seen: set[int] = set()
+        return sum(s.nbytes() for tensors in self._offload_groups().values()
+                   for s in unique_storages(tensors, seen))
 
     def _require_resident(self) -> None:
         if self._offloader.offloaded:
