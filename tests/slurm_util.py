@@ -104,17 +104,26 @@ def release_cluster(cluster: SlurmCluster) -> bool:
         lease.close()
 
 
+FINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
+         "BOOT_FAIL", "DEADLINE")
+
+
+def job_state(cluster: SlurmCluster, job_id: str) -> str | None:
+    """scontrol's JobState (None once the job is no longer known)."""
+    info = cluster.run("scontrol", "show", "job", "-o", job_id, check=False).stdout
+    return dict(t.split("=", 1) for t in info.split() if "=" in t).get("JobState")
+
+
 def wait_job(cluster: SlurmCluster, job_id: str, output: Path | None = None, timeout: float = 30) -> JobResult:
-    """Poll squeue until the job has left the queue (at most `timeout` s, then cancel it and fail),
-    then return its final state and exit code (scontrol) and its output file's text."""
+    """Wait until the job has ended for good (at most `timeout` s, then cancel it and fail),
+    then return its final state and exit code (scontrol) and its output file's text. A final
+    JobState, not an empty squeue: a job being requeued leaves the queue for a moment
+    (REQUEUED), which would look like the end."""
     deadline = time.monotonic() + timeout
-    while True:
-        p = cluster.run("squeue", "-h", "-j", job_id, "-o", "%T", check=False)
-        if p.returncode != 0 or not p.stdout.strip():
-            break
+    while (state := job_state(cluster, job_id)) not in FINAL and state is not None:
         if time.monotonic() > deadline:
             cluster.run("scancel", job_id, check=False)
-            raise TimeoutError(f"job {job_id} still {p.stdout.strip()} after {timeout} s (cancelled)")
+            raise TimeoutError(f"job {job_id} still {state} after {timeout} s (cancelled)")
         time.sleep(0.2)
     info = cluster.run("scontrol", "show", "job", "-o", job_id).stdout
     kv = dict(t.split("=", 1) for t in info.split() if "=" in t)

@@ -51,25 +51,6 @@ class SkipRequeueDelay:
         self.thread.join()
 
 
-FINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
-         "BOOT_FAIL", "DEADLINE")
-
-
-def _wait_final(cluster, job: str, output: Path, timeout: float = 900):
-    """Until the job has ended for good. squeue alone does not do: a job being requeued
-    leaves it for a moment (state REQUEUED), which looks like the end."""
-    deadline = time.monotonic() + timeout
-    while True:
-        info = cluster.run("scontrol", "show", "job", "-o", job, check=False).stdout
-        state = dict(t.split("=", 1) for t in info.split() if "=" in t).get("JobState")
-        if state in FINAL:
-            return wait_job(cluster, job, output, timeout=60)
-        if time.monotonic() > deadline:
-            cluster.run("scancel", job, check=False)
-            raise TimeoutError(f"job {job} still {state} after {timeout:.0f} s (cancelled)")
-        time.sleep(0.5)
-
-
 def _wait_for(what: str, check, timeout: float = 600) -> None:
     deadline = time.monotonic() + timeout
     while not check():
@@ -124,7 +105,7 @@ def test_sbatch_job_requeued_mid_run_and_by_the_time_limit_signal_completes(
         seg1 = run / "learn-cpu.seg1.h5"
         _wait_for("a step trained after the requeue", lambda: _rows(seg1) >= 1)
         slurm_cluster.run("scancel", "--batch", "--signal=USR1", job)
-        res = _wait_final(slurm_cluster, job, folder / "job.out")
+        res = wait_job(slurm_cluster, job, folder / "job.out", timeout=900)
     finally:
         skip.stop()
     assert res.state == "COMPLETED" and res.exit_code == 0, res.output[-3000:]
@@ -150,7 +131,7 @@ def test_preempted_job_is_requeued_and_resumes_from_its_last_checkpoint(
         urgent = slurm_cluster.sbatch("-p", "urgent", "-w", "n1", "--gres=gpu:8",
                                       "--time=2", "-o", "/dev/null", "--wrap", "sleep 5",
                                       cwd=tmp_path)
-        res = _wait_final(slurm_cluster, job, folder / "job.out")
+        res = wait_job(slurm_cluster, job, folder / "job.out", timeout=900)
     finally:
         skip.stop()
     assert res.state == "COMPLETED" and res.exit_code == 0, res.output[-3000:]
