@@ -55,7 +55,10 @@ def run_job(config: str, models: Path, trace: Path, overrides: list[str],
         raise AssertionError(f"{config} {overrides} did not finish in {timeout_s:.0f} s:\n"
                              + output[-4000:])
     assert proc.returncode == 0, output[-4000:]
-    left = shm_entries() - before
+    # this job's leftovers only: another job on the machine may hold segments meanwhile
+    job = (trace.with_suffix(".logs") / "job").read_text().strip()
+    left = {p for p in shm_entries() - before
+            if f"-{job}-" in p.name or p.name.startswith("pivotrl-tp")}
     return {"trace": trace, "output": output, "seen": seen, "left": left,
             "summary": json.loads(trace.with_suffix(".summary.json").read_text())}
 
