@@ -165,6 +165,61 @@ def test_resume_on_modeled_workers_trains_the_same_data_in_the_same_order(tmp_pa
     assert resumed.published == 6
 
 
+def test_a_stop_request_checkpoints_the_next_step_and_ends_the_job(tmp_path):
+    ctl, workers = make_controller("disaggregated", gpus=8, train=(0, 1, 2, 3), steps=6,
+                                   k=1, params={"rollout_gpus": 2, "reward_gpus": 2},
+                                   bootstrap=split_bootstrap())
+    ctl.checkpoints = Checkpointer(tmp_path / "c.checkpoints", 0, 10, FIXED)   # none periodic
+    ctl.checkpoints.request("stop")
+    ctl.checkpoints.request("checkpoint")          # a later, weaker request keeps the stop
+    summary = ctl.run()
+    assert summary["stopped"] == "checkpointed at step 1 after a stop signal"
+    assert summary["steps"] == 1 and ctl.step == 1, (summary["steps"], ctl.step, ctl.published)
+    assert [p.name for p in layout.whole(tmp_path / "c.checkpoints")] == ["step-000001"]
+    assert not (tmp_path / "c.logs").exists()      # no requeue marker: Slurm requeues itself
+
+
+def test_fits_needs_two_steps_and_a_step_plus_checkpoint_inside_the_grace():
+    ck = Checkpointer("unused", 0, 2, FIXED)
+    assert not ck.fits(0.0, 1e9)                   # no step interval known yet
+    ck.due(1, 9, 100.0)
+    ck.due(2, 9, 110.0)
+    ck.due(3, 9, 130.0)                            # intervals 10 and 20: median 20
+    ck._save_s = 2.0
+    assert ck.fits(135.0, 22.0)                    # 15 s left + 2 s <= 0.8 x 22
+    assert not ck.fits(135.0, 21.0)                # 17 s > 0.8 x 21
+    assert ck.fits(200.0, 3.0)                     # overdue step: only the checkpoint
+    ck.request("stop")
+    ck.request("requeue")
+    assert ck.mode == "requeue"
+
+
+def test_sigterm_with_grace_defers_to_a_checkpoint_only_when_it_fits(tmp_path):
+    """Real SIGTERMs to this process: the Stopper's handler (here a recorder) gets the
+    signal when no checkpoint fits, and any signal after a deferred one."""
+    import signal
+
+    from pivotrl_hpc.controller.live import _on_stop_signal
+
+    ctl, _ = make_controller(steps=3, k=1)
+    ctl.checkpoints = Checkpointer(tmp_path / "c", 0, 2, FIXED)
+    seen: list[int] = []
+    old = signal.signal(signal.SIGTERM, lambda signum, _frame: seen.append(signum))
+    try:
+        _on_stop_signal(ctl, 30.0)
+        os.kill(os.getpid(), signal.SIGTERM)       # no step timings: stop at once
+        assert seen == [signal.SIGTERM] and ctl.checkpoints.mode is None
+        now = ctl.clock.now()
+        ctl.checkpoints.due(1, 3, now - 20.0)
+        ctl.checkpoints.due(2, 3, now - 10.0)
+        os.kill(os.getpid(), signal.SIGTERM)       # the running step ends in time: deferred
+        assert seen == [signal.SIGTERM] and ctl.checkpoints.mode == "stop"
+        os.kill(os.getpid(), signal.SIGTERM)       # a second one stops at once
+        assert seen == [signal.SIGTERM] * 2
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
 def test_capture_keeps_finished_samples_and_restarts_the_rest(tmp_path):
     ctl, _ = make_controller(steps=3, k=2)
     book = ctl.book

@@ -133,3 +133,51 @@ def _check_export(trace: Path, out: Path, weights: dict) -> None:
     assert v.returncode == 0, v.stderr[-3000:]
     tokens = json.loads(v.stdout.split("TOKENS", 1)[1])
     assert tokens == hf[len(prompt):].tolist()
+
+
+def _trained(trace: Path) -> int:
+    from pivotrl_hpc.trace import open_trace
+
+    try:
+        with open_trace(str(trace)) as t:
+            return t.rows("steps")
+    except (OSError, KeyError):
+        return 0
+
+
+def test_sigterm_with_a_grace_time_checkpoints_the_running_step_and_resumes(tiny_models,
+                                                                              tmp_path):
+    """A preemption's SIGTERM (here to the launcher, which passes it to every rank, as Slurm
+    signals every task) with `rl.preempt_grace_s`: no periodic checkpoint, yet the job writes
+    one after the step it was running, stops as stopped by SIGTERM, and the next start
+    resumes from exactly there and finishes."""
+    from pivotrl_hpc.checkpoint.layout import latest, root_for, segments
+
+    trace = tmp_path / "run" / "run.h5"
+    extra = ["rl.checkpoint_every=0", "rl.preempt_grace_s=90"]
+    cmd = [sys.executable, "-m", "pivotrl_hpc.cli.main", "run",
+           str(ROOT / "configs" / "learn-cpu.yaml"), *model_overrides(tiny_models),
+           f"trace.path={trace}", *OVERRIDES, *extra]
+    env = {**os.environ, "UCX_MODULES": "^ib,rdmacm"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env)
+    deadline = time.monotonic() + 600
+    while _trained(trace) < 3:       # two step intervals: the controller can time a step
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        assert time.monotonic() < deadline, "3 steps not trained within 600 s"
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    out = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
+    ckpt = latest(root_for(trace))
+    assert ckpt is not None, out[-3000:]
+    step = json.loads((ckpt / "state.json").read_text())["step"]
+    summary = json.loads(trace.with_suffix(".summary.json").read_text())
+    assert step >= 3 and summary["stopped"] == f"checkpointed at step {step} after a stop " \
+        "signal", out[-3000:]
+
+    again = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    rows = _steps(segments(trace))
+    assert [r["step"] for r in rows] == list(range(STEPS)), rows   # none lost or trained twice
+    assert f"resumed from {ckpt}" in again.stdout + again.stderr

@@ -76,6 +76,11 @@ class RLConfig:
     # the last one, in <trace>.checkpoints/ (0: none); only the newest `keep_checkpoints` stay.
     checkpoint_every: int = 0
     keep_checkpoints: int = 2
+    # Seconds a stop signal leaves before SIGKILL (Slurm preemption: the partition's
+    # GraceTime). > 0: on SIGTERM the controller checkpoints after the running step if that
+    # fits in this time, then stops; else (and with 0) it stops at once and the next start
+    # resumes from the last periodic checkpoint.
+    preempt_grace_s: float = 0.0
 
 
 @dataclass

@@ -96,6 +96,9 @@ def _checkpoints(cfg: Config, check_files: bool) -> None:
         raise ConfigError("rl.checkpoint_every", f"{rl.checkpoint_every} must be >= 0 (0: none)")
     if rl.keep_checkpoints < 1:
         raise ConfigError("rl.keep_checkpoints", f"{rl.keep_checkpoints} must be >= 1")
+    if not rl.preempt_grace_s >= 0:
+        raise ConfigError("rl.preempt_grace_s", f"{rl.preempt_grace_s} must be >= 0 (seconds; "
+                          "0: a stop signal stops at once)")
     if check_files:   # the checkpoint the job would start from, checked as the ranks will
         from pivotrl_hpc.checkpoint.layout import CheckpointError
         from pivotrl_hpc.checkpoint.state import prepare

@@ -11,6 +11,11 @@ file the batch step writes (`<run>.logs/checkpoint.request`, polled once a secon
 signals the time limit (`--signal=B:USR1@...`, launch.slurm) or submitit its timeout. A
 "requeue" request also ends the job once the checkpoint is whole (marker `<run>.logs/requeue`
 for the batch step, which then runs `scontrol requeue`).
+
+A stop signal (SIGTERM: a Slurm preemption with its grace time `rl.preempt_grace_s`) asks
+for a "stop": a checkpoint after the running step, then the end of the job, but only when
+`fits` says that step and its checkpoint end inside the grace time; otherwise the job stops
+at once and resumes from its last periodic checkpoint.
 """
 from __future__ import annotations
 
@@ -27,6 +32,9 @@ from pivotrl_hpc.runtime.messages import Reply, SaveCheckpoint
 log = logging.getLogger(__name__)
 
 REQUEST, REQUEUE = layout.REQUEST_FILE, layout.REQUEUE_FILE
+STOP = "stop"
+MODES = ("checkpoint", STOP, REQUEUE)   # a later request never weakens an earlier one
+FIT_MARGIN = 0.8                        # of the grace time: the rest for the shutdown
 
 
 class Checkpointer:
@@ -34,17 +42,32 @@ class Checkpointer:
                  logs: Path | None = None) -> None:
         self.root, self.every, self.keep, self.fixed = Path(root), every, keep, dict(fixed)
         self.logs = logs
-        self.mode: str | None = None      # a request pending: "checkpoint" or "requeue"
+        self.mode: str | None = None      # a request pending: one of MODES
         self._poll_at = 0.0
+        self._published: list[float] = []  # when the last steps were replicated
+        self._save_s = 0.0                 # how long the last checkpoint took
 
-    def due(self, step: int, last: int) -> bool:
+    def due(self, step: int, last: int, now: float | None = None) -> bool:
+        if now is not None:
+            self._published = [*self._published[-7:], now]
         return self.mode is not None or (
             self.every > 0 and (step % self.every == 0 or step == last))
 
     def request(self, mode: str = "checkpoint") -> None:
-        """Take one after the next replicated step; "requeue" also ends the job then."""
-        self.mode = "requeue" if REQUEUE in (mode, self.mode) else "checkpoint"
+        """Take one after the next replicated step; "requeue" and "stop" also end the job
+        then."""
+        self.mode = max(mode, self.mode or mode, key=MODES.index)
         log.warning("%s requested: after the next step", self.mode)
+
+    def fits(self, now: float, grace_s: float) -> bool:
+        """Whether the running step and its checkpoint end within `grace_s` (less a margin
+        for the shutdown): the median of the last step intervals, less the time the running
+        step has had, plus the last checkpoint's time. Unknown before two steps: no."""
+        if len(self._published) < 2:
+            return False
+        gaps = sorted(b - a for a, b in zip(self._published, self._published[1:]))
+        left = max(0.0, gaps[len(gaps) // 2] - (now - self._published[-1]))
+        return left + self._save_s <= FIT_MARGIN * grace_s
 
     def poll(self, now: float) -> None:
         """Take a request file the batch step wrote (at most once a second)."""
@@ -74,7 +97,7 @@ class Checkpointer:
         final = layout.commit(tmp, self.keep)
         ctl.training.active = False
         ctl._event()
-        seconds = ctl.clock.now() - t0
+        seconds = self._save_s = ctl.clock.now() - t0
         size = sum(r.result.get("optim_bytes", 0) + r.result.get("policy_bytes", 0)
                    for r in replies)
         ctl.trace.append("events", t=ctl.clock.now(), kind="checkpoint",
@@ -82,6 +105,8 @@ class Checkpointer:
                                  f"({size / 2**20:.1f} MiB, {seconds:.2f} s, "
                                  f"{len(state['samples'])} samples in flight kept)")
         log.info("checkpoint of step %d written to %s (%.2f s)", state["step"], final, seconds)
+        if mode == STOP:
+            ctl.stop_reason = f"checkpointed at step {state['step']} after a stop signal"
         if mode == REQUEUE:
             ctl.stop_reason = f"checkpointed at step {state['step']} for a requeue"
             if self.logs is not None:

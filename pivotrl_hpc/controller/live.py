@@ -156,6 +156,37 @@ def _on_usr1(ctl: Controller) -> None:
         signal.signal(signal.SIGUSR1, handler)
 
 
+def _on_stop_signal(ctl: Controller, grace_s: float) -> None:
+    """With a grace time (`rl.preempt_grace_s`), the first SIGTERM asks for a checkpoint
+    after the running step and the end of the job, when `Checkpointer.fits`; otherwise, and
+    on any later signal, the handler before (the rank's Stopper: stop at once) takes it. The
+    Stopper has seen the signal either way (its wakeup fd): the job still ends as stopped by
+    it, and the ranks' watchdogs run (launch.resume.stop_grace sizes them for the grace)."""
+    import signal
+    import threading
+
+    if grace_s <= 0 or ctl.checkpoints is None or \
+            threading.current_thread() is not threading.main_thread():
+        return
+    before = signal.getsignal(signal.SIGTERM)
+    deferred = []
+
+    def handler(signum, frame) -> None:
+        if not deferred and ctl.checkpoints.fits(ctl.clock.now(), grace_s):
+            deferred.append(signum)
+            log.warning("SIGTERM with %.0f s of grace: checkpoint after the running step, "
+                        "then stop", grace_s)
+            ctl.checkpoints.request("stop")
+        elif callable(before):
+            if not deferred:
+                log.warning("SIGTERM: no checkpoint fits in %.0f s of grace: stopping now "
+                            "(the next start resumes from the last periodic checkpoint)",
+                            grace_s)
+            before(signum, frame)
+
+    signal.signal(signal.SIGTERM, handler)
+
+
 def run_on(cfg: Config, comm, device_ranks: Mapping[int, int], trace_path: str | Path,
            placement: list[dict] | None = None) -> dict[str, Any]:
     from pivotrl_hpc.runtime.spec import resumed_from
@@ -179,6 +210,7 @@ def run_on(cfg: Config, comm, device_ranks: Mapping[int, int], trace_path: str |
             devices.stop_all(Shutdown(), clock, 10.0)
             raise
         _on_usr1(ctl)
+        _on_stop_signal(ctl, cfg.rl.preempt_grace_s)
         summary = ctl.run()
         summary["controller_peak_rss_mb"] = resource.getrusage(
             resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -238,6 +238,8 @@ class Controller:
         tr = self.training
         if not tr.up or tr.active or tr.shifting or not self.book.batch_ready(self.step):
             return
+        if self.stop_reason is not None:   # the job ends at the checkpoint just written
+            return
         samples = self.book.batch_samples(self.step)
         batch = TrainBatch(tuple(s.prompt.prompt_ids for s in samples),
                            tuple(tuple(s.response) for s in samples),
@@ -272,7 +274,8 @@ class Controller:
                 self.executor.reload(rid)
         if self.cfg.eval_every and self.step % self.cfg.eval_every == 0 and self.validation:
             self._start_eval(self.step)
-        if self.checkpoints is not None and self.checkpoints.due(self.step, self.cfg.steps):
+        if self.checkpoints is not None and self.checkpoints.due(self.step, self.cfg.steps,
+                                                                 self.clock.now()):
             self.checkpoints.save(self)  # the trainer stays up (and busy) until it is written
 
     # --- validation --------------------------------------------------------------------

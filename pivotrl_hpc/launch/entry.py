@@ -148,7 +148,9 @@ class Rank:
     def __init__(self, cfg, layout: RankLayout, info: RankInfo, paths: RunPaths, world):
         self.cfg, self.layout, self.info, self.paths, self.world = cfg, layout, info, paths, world
         self.job = job_id(os.environ)
-        self.stopper = Stopper(_env_float("PIVOTRL_STOP_GRACE_S", 20.0), self._expired)
+        from pivotrl_hpc.launch.resume import stop_grace
+        self.stopper = Stopper(stop_grace(_env_float("PIVOTRL_STOP_GRACE_S", 20.0),
+                                          cfg.rl.preempt_grace_s, 10.0), self._expired)
         self.agent: AgentThread | None = None
         self.failed = False
         self.resumed: dict | None = None   # the checkpoint this job starts from

@@ -43,6 +43,7 @@ from pivotrl_hpc.launch import cgroup
 from pivotrl_hpc.launch.diagnose import diagnose as diagnose_ranks
 from pivotrl_hpc.config.paradigm import normalize
 from pivotrl_hpc.launch.layout import LaunchError, RankLayout, RunPaths, job_ports
+from pivotrl_hpc.launch.resume import stop_grace
 
 log = logging.getLogger(__name__)
 
@@ -145,11 +146,15 @@ def write_files(run: PreparedRun) -> None:
     run.paths.config_json.write_text(json.dumps(run.config, indent=1) + "\n")
 
 
+def preempt_grace(run: PreparedRun) -> float:
+    return float(run.config.get("rl", {}).get("preempt_grace_s", 0.0))
+
+
 def launch(run: PreparedRun, *, grace_s: float = 30.0) -> int:
     """Run the job; return 0, 128+signal when stopped by a signal, 1 when it failed."""
     write_files(run)
     log.info("run %s: %d ranks, logs in %s", run.job, run.layout.world_size, run.paths.logs)
-    forwarder = SignalForwarder(run, grace_s)
+    forwarder = SignalForwarder(run, stop_grace(grace_s, preempt_grace(run), 20.0))
     forwarder.install()
     log_path = run.paths.logs / "mpirun.log"
     try:

@@ -74,6 +74,13 @@ def checkpoint_now(wait_s: float) -> Path | None:
     return before
 
 
+def stop_grace(base_s: float, preempt_grace_s: float, margin_s: float) -> float:
+    """How long a process waits for the ranks after a stop signal: `base_s`, or longer with a
+    preemption grace time, so that the controller's checkpoint inside it is not cut short
+    (ranks < launcher < batch step, by `margin_s` each; Slurm's SIGKILL ends it anyway)."""
+    return max(base_s, preempt_grace_s + margin_s) if preempt_grace_s > 0 else base_s
+
+
 def requeueable(job: str) -> bool:
     """Whether Slurm may requeue `job` (sbatch --requeue, or the cluster's JobRequeue=1)."""
     p = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True,

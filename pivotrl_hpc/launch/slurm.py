@@ -39,8 +39,9 @@ from pivotrl_hpc.launch.diagnose import BAD_INPUT, bad_input, diagnose
 from pivotrl_hpc.launch.layout import (LaunchError, RankLayout, RunPaths, expand_hostlist,
                                        job_ports)
 from pivotrl_hpc.launch.local import (PreparedRun, StderrFollower, free_port_base,
-                                      resolved_config, sweep_segments, write_files)
-from pivotrl_hpc.launch.resume import RUNNING, request_checkpoint, requeueable
+                                      preempt_grace, resolved_config, sweep_segments,
+                                      write_files)
+from pivotrl_hpc.launch.resume import RUNNING, request_checkpoint, requeueable, stop_grace
 
 log = logging.getLogger(__name__)
 
@@ -260,7 +261,7 @@ def execute(run: PreparedRun, *, grace_s: float = 40.0) -> Outcome:
                     stop.proc = subprocess.Popen(run.command, stderr=err,
                                                  env={**os.environ, **run.env})
                 follower = StderrFollower(stop.proc, srun_log)
-                _wait(stop, grace_s)
+                _wait(stop, stop_grace(grace_s, preempt_grace(run), 30.0))
                 follower.join()
         finally:
             RUNNING.remove(run)
