@@ -95,6 +95,10 @@ def test_config_resume_values_and_errors(tmp_path):
         load_config(path, ["rl.checkpoint_every=-1"], check_files=False)
     with pytest.raises(ConfigError, match="'rl.keep_checkpoints': 0 must be >= 1"):
         load_config(path, ["rl.keep_checkpoints=0"], check_files=False)
+    with pytest.raises(ConfigError, match="'rl.preempt_grace_s': -5.0 must be >= 0"):
+        load_config(path, ["rl.preempt_grace_s=-5"], check_files=False)
+    with pytest.raises(ConfigError, match="'rl.preempt_grace_s': 'nan' is a str"):
+        load_config(path, ["rl.preempt_grace_s=nan"], check_files=False)
     c = _fake(tmp_path / "r.checkpoints", 3)
     from pivotrl_hpc.config.validate import _checkpoints
     cfg_obj = load_config(path, [f"resume={c}"], check_files=False)
