@@ -135,16 +135,6 @@ def _check_export(trace: Path, out: Path, weights: dict) -> None:
     assert tokens == hf[len(prompt):].tolist()
 
 
-def _trained(trace: Path) -> int:
-    from pivotrl_hpc.trace import open_trace
-
-    try:
-        with open_trace(str(trace)) as t:
-            return t.rows("steps")
-    except (OSError, KeyError):
-        return 0
-
-
 def test_sigterm_with_a_grace_time_checkpoints_the_running_step_and_resumes(tiny_models,
                                                                               tmp_path):
     """A preemption's SIGTERM (here to the launcher, which passes it to every rank, as Slurm
@@ -152,6 +142,7 @@ def test_sigterm_with_a_grace_time_checkpoints_the_running_step_and_resumes(tiny
     one after the step it was running, stops as stopped by SIGTERM, and the next start
     resumes from exactly there and finishes."""
     from pivotrl_hpc.checkpoint.layout import latest, root_for, segments
+    from pivotrl_hpc.cli.bench_soak import steps_done
 
     trace = tmp_path / "run" / "run.h5"
     extra = ["rl.checkpoint_every=0", "rl.preempt_grace_s=90"]
@@ -162,7 +153,7 @@ def test_sigterm_with_a_grace_time_checkpoints_the_running_step_and_resumes(tiny
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env)
     deadline = time.monotonic() + 600
-    while _trained(trace) < 3:       # two step intervals: the controller can time a step
+    while steps_done(trace) < 3:       # two step intervals: the controller can time a step
         assert proc.poll() is None, proc.stdout.read()[-3000:]
         assert time.monotonic() < deadline, "3 steps not trained within 600 s"
         time.sleep(0.5)

@@ -79,7 +79,7 @@ def _sample_once(logs: Path, job: str) -> dict:
     return {"procs": procs, "shm_bytes": shm}
 
 
-def _steps_done(trace: Path) -> int:
+def steps_done(trace: Path) -> int:
     from pivotrl_hpc.trace import open_trace
 
     try:
@@ -114,7 +114,7 @@ def main(args: argparse.Namespace) -> int:
     logs, samples, t0 = trace.with_suffix(".logs"), {}, time.monotonic()
     job = None
     while proc.poll() is None and len(samples) < 2:
-        done = _steps_done(trace)
+        done = steps_done(trace)
         job = job or _job_of(logs)
         # late: a few steps before the end, so that the five readings end before the job does
         for name, at in (("early", args.early), ("late", max(args.early + 1, args.steps - 3))):
