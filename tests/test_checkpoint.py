@@ -198,11 +198,13 @@ def test_fits_needs_two_steps_and_a_step_plus_checkpoint_inside_the_grace():
     assert ck.mode == "requeue"
 
 
-def test_sigterm_with_grace_defers_to_a_checkpoint_only_when_it_fits(tmp_path):
+def test_sigterm_with_grace_defers_to_a_checkpoint_only_when_it_fits(tmp_path, monkeypatch):
     """Real SIGTERMs to this process: the Stopper's handler (here a recorder) gets the
-    signal when no checkpoint fits, and any signal after a deferred one."""
+    signal when no checkpoint fits, and a later signal after a deferred one; the same stop
+    delivered twice at once (Slurm's and srun's) counts once."""
     import signal
 
+    from pivotrl_hpc.controller import live
     from pivotrl_hpc.controller.live import _on_stop_signal
 
     ctl, _ = make_controller(steps=3, k=1)
@@ -218,7 +220,10 @@ def test_sigterm_with_grace_defers_to_a_checkpoint_only_when_it_fits(tmp_path):
         ctl.checkpoints.due(2, 3, now - 10.0)
         os.kill(os.getpid(), signal.SIGTERM)       # the running step ends in time: deferred
         assert seen == [signal.SIGTERM] and ctl.checkpoints.mode == "stop"
-        os.kill(os.getpid(), signal.SIGTERM)       # a second one stops at once
+        os.kill(os.getpid(), signal.SIGTERM)       # the same stop again at once: ignored
+        assert seen == [signal.SIGTERM] and ctl.checkpoints.mode == "stop"
+        monkeypatch.setattr(live, "SAME_SIGNAL_S", 0.0)
+        os.kill(os.getpid(), signal.SIGTERM)       # a later one stops at once
         assert seen == [signal.SIGTERM] * 2
     finally:
         signal.signal(signal.SIGTERM, old)

@@ -4,9 +4,11 @@
   it resumes from its last periodic checkpoint; then the time-limit signal (`scancel --batch
   --signal=USR1`, what `--signal=B:USR1@120` sends) makes it checkpoint after its next step
   and requeue itself; the third start finishes. Three trace segments, every step trained.
-- preemption: a job of the `urgent` partition (PriorityTier 2) takes the node; Slurm stops
-  the job in order (SIGTERM) and requeues it, and it resumes from its last periodic
-  checkpoint.
+- preemption: a job of the `urgent` partition (PriorityTier 2) takes the node; Slurm sends
+  SIGTERM with a grace time (`GraceTime=90` on `debug`); the job (`rl.preempt_grace_s=90`)
+  checkpoints after its running step, stops, is requeued and resumes there. (Stopping at
+  once and resuming from the last periodic checkpoint, the path without a grace time, is
+  what `scontrol requeue` above takes.)
 - `pivotrl_hpc.submit`: submitit's timeout signal (USR2 to the batch step) calls
   `PivotJob.checkpoint`, which has the controller checkpoint; submitit requeues; the job
   resumes and `job.result()` is the summary of the whole run.
@@ -118,16 +120,20 @@ def test_sbatch_job_requeued_mid_run_and_by_the_time_limit_signal_completes(
     assert job_segments(job) == []
 
 
-def test_preempted_job_is_requeued_and_resumes_from_its_last_checkpoint(
+def test_preempted_job_checkpoints_in_its_grace_time_is_requeued_and_resumes_there(
         slurm_cluster, tiny_models, tmp_path):
+    """`debug` has GraceTime=90: the job (rl.preempt_grace_s=90, no periodic checkpoints)
+    checkpoints after the step it was running when the preemption's SIGTERM came, and the
+    requeued job resumes from exactly that checkpoint."""
     folder = tmp_path / "job"
     job = submit_pivot(slurm_cluster, folder, ["--gres=gpu:4", "--time=30", "-w", "n1"],
-                       LEARN, [*model_overrides(tiny_models), *OVERRIDES])
+                       LEARN, [*model_overrides(tiny_models), *OVERRIDES,
+                               "rl.checkpoint_every=0", "rl.preempt_grace_s=90"])
     run = folder / "runs" / f"pivotrl-{job}"
     skip = SkipRequeueDelay(slurm_cluster, job)
     try:
-        _wait_for("checkpoint of step 2", lambda: (run / "learn-cpu.checkpoints" /
-                                                   "step-000002" / "COMPLETE").exists())
+        # two step intervals: the controller can tell whether a step fits in the grace
+        _wait_for("3 trained steps", lambda: _rows(run / "learn-cpu.h5") >= 3)
         urgent = slurm_cluster.sbatch("-p", "urgent", "-w", "n1", "--gres=gpu:8",
                                       "--time=2", "-o", "/dev/null", "--wrap", "sleep 5",
                                       cwd=tmp_path)
@@ -136,9 +142,11 @@ def test_preempted_job_is_requeued_and_resumes_from_its_last_checkpoint(
         skip.stop()
     assert res.state == "COMPLETED" and res.exit_code == 0, res.output[-3000:]
     assert wait_job(slurm_cluster, urgent).state == "COMPLETED"
+    assert "checkpoint after the running step, then stop" in res.output, res.output[-3000:]
     assert "stopped by SIGTERM" in res.output and _restarts(slurm_cluster, job) == 1
     segs = _check_segments(run / "learn-cpu.h5", 2)
-    assert Path(segs[1]["meta"]["resumed_from"]).name in ("step-000002", "step-000004")
+    # the grace-time checkpoint is the one the second start resumed from
+    assert Path(segs[1]["meta"]["resumed_from"]).name == f"step-{segs[0]['steps'][-1] + 1:06d}"
     assert job_segments(job) == []
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import resource
+import time
 import socket
 from pathlib import Path
 from typing import Any, Mapping
@@ -156,6 +157,9 @@ def _on_usr1(ctl: Controller) -> None:
         signal.signal(signal.SIGUSR1, handler)
 
 
+SAME_SIGNAL_S = 5.0   # a SIGTERM this soon after the deferred one is the same stop
+
+
 def _on_stop_signal(ctl: Controller, grace_s: float) -> None:
     """With a grace time (`rl.preempt_grace_s`), the first SIGTERM asks for a checkpoint
     after the running step and the end of the job, when `Checkpointer.fits`; otherwise, and
@@ -169,11 +173,14 @@ def _on_stop_signal(ctl: Controller, grace_s: float) -> None:
             threading.current_thread() is not threading.main_thread():
         return
     before = signal.getsignal(signal.SIGTERM)
-    deferred = []
+    deferred: list[float] = []   # when the first SIGTERM was deferred
 
     def handler(signum, frame) -> None:
+        now = time.monotonic()
+        if deferred and now - deferred[0] < SAME_SIGNAL_S:
+            return   # the same stop twice: from Slurm and from srun passing it on
         if not deferred and ctl.checkpoints.fits(ctl.clock.now(), grace_s):
-            deferred.append(signum)
+            deferred.append(now)
             log.warning("SIGTERM with %.0f s of grace: checkpoint after the running step, "
                         "then stop", grace_s)
             ctl.checkpoints.request("stop")
