@@ -5,8 +5,9 @@
   --signal=USR1`, what `--signal=B:USR1@120` sends) makes it checkpoint after its next step
   and requeue itself; the third start finishes. Three trace segments, every step trained.
 - preemption: a job of the `urgent` partition (PriorityTier 2) takes the node; Slurm sends
-  SIGTERM with a grace time (`GraceTime=90` on `debug`); the job (`rl.preempt_grace_s=90`)
-  checkpoints after its running step, stops, is requeued and resumes there. (Stopping at
+  SIGTERM with a grace time (`GraceTime=90` on `debug`) to the tasks; the job
+  (`rl.preempt_grace_s=90`) checkpoints after its running step, ends and requeues itself
+  (`scontrol requeue`), and resumes there. (Stopping at
   once and resuming from the last periodic checkpoint, the path without a grace time, is
   what `scontrol requeue` above takes.)
 - `pivotrl_hpc.submit`: submitit's timeout signal (USR2 to the batch step) calls
@@ -143,7 +144,11 @@ def test_preempted_job_checkpoints_in_its_grace_time_is_requeued_and_resumes_the
     assert res.state == "COMPLETED" and res.exit_code == 0, res.output[-3000:]
     assert wait_job(slurm_cluster, urgent).state == "COMPLETED"
     assert "checkpoint after the running step, then stop" in res.output, res.output[-3000:]
-    assert "stopped by SIGTERM" in res.output and _restarts(slurm_cluster, job) == 1
+    # Slurm signals the tasks, not the batch step: the job ends its first start as done
+    # after the checkpoint and requeues itself, as at the time limit
+    assert "after a stop signal" in res.output and "requeued: it resumes from there" in \
+        res.output, res.output[-3000:]
+    assert _restarts(slurm_cluster, job) == 1
     segs = _check_segments(run / "learn-cpu.h5", 2)
     # the grace-time checkpoint is the one the second start resumed from
     assert Path(segs[1]["meta"]["resumed_from"]).name == f"step-{segs[0]['steps'][-1] + 1:06d}"

@@ -105,13 +105,12 @@ class Checkpointer:
                                  f"({size / 2**20:.1f} MiB, {seconds:.2f} s, "
                                  f"{len(state['samples'])} samples in flight kept)")
         log.info("checkpoint of step %d written to %s (%.2f s)", state["step"], final, seconds)
-        if mode == STOP:
-            ctl.stop_reason = f"checkpointed at step {state['step']} after a stop signal"
-        if mode == REQUEUE:
-            ctl.stop_reason = f"checkpointed at step {state['step']} for a requeue"
-            if self.logs is not None:
+        if mode in (STOP, REQUEUE):
+            why = "after a stop signal" if mode == STOP else "for a requeue"
+            ctl.stop_reason = f"checkpointed at step {state['step']} {why}"
+            if self.logs is not None:   # under Slurm the batch step requeues the job
                 (self.logs / REQUEUE).write_text(json.dumps(
-                    {"step": state["step"], "checkpoint": str(final)}) + "\n")
+                    {"step": state["step"], "checkpoint": str(final), "why": mode}) + "\n")
 
 
 def resume(ctl, folder: str | Path) -> dict[str, Any]:

@@ -253,6 +253,7 @@ def execute(run: PreparedRun, *, grace_s: float = 40.0) -> Outcome:
     if run.cpu_warning:
         print(f"pivotrl: warning: {run.cpu_warning}", flush=True)
     srun_log = run.paths.logs / "srun.log"
+    (run.paths.logs / REQUEUE_FILE).unlink(missing_ok=True)   # a stale one: not this start's
     with _Stop(run.paths.logs, run.job) as stop:
         RUNNING.append(run)
         try:
@@ -285,9 +286,13 @@ def requeue(run: PreparedRun) -> Outcome:
     it resumes in the same run folder (same job id) from that checkpoint."""
     info = json.loads((run.paths.logs / REQUEUE_FILE).read_text())
     (run.paths.logs / REQUEUE_FILE).unlink()
+    why = "after a stop signal" if info.get("why") == "stop" else "before the time limit"
+    done = f"checkpointed at step {info['step']} {why} ({info['checkpoint']})"
+    if info.get("why") == "stop" and not requeueable(run.job):
+        return Outcome(0, f"{done}; the job may not be requeued: submit again with "
+                       f"resume={info['checkpoint']} to continue", run.paths, _summary(run.paths))
     p = subprocess.run(["scontrol", "requeue", run.job], capture_output=True, text=True,
                        timeout=60, check=False)
-    done = f"checkpointed at step {info['step']} before the time limit ({info['checkpoint']})"
     if p.returncode != 0:
         return Outcome(1, f"{done}, but `scontrol requeue {run.job}` failed: "
                        f"{p.stderr.strip() or p.stdout.strip()}; submit again with "
