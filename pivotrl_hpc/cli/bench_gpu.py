@@ -62,6 +62,22 @@ def _timed(fn, repeats: int, sync) -> float:
     return best
 
 
+def _rounded(figures: dict) -> dict:
+    return {k: round(v, 4) if isinstance(v, float) else v for k, v in figures.items()}
+
+
+@contextlib.contextmanager
+def _unregistered():
+    """GPS copies through pageable memory meanwhile (the baseline registration is held to);
+    only mappings made inside are affected."""
+    from pivotrl_hpc.gps import device as gps_device
+    os.environ[gps_device.ENV_DISABLE] = "1"
+    try:
+        yield
+    finally:
+        del os.environ[gps_device.ENV_DISABLE]
+
+
 def _sync(device: str):
     import torch
     return torch.cuda.synchronize if device == "cuda" else (lambda: None)
@@ -84,7 +100,6 @@ def gps_size(size_mb: int, device: str, repeats: int, work: Path) -> dict:
     import torch
 
     from pivotrl_hpc.cli.bench_gps import synthetic_model
-    from pivotrl_hpc.gps import device as gps_device
     from pivotrl_hpc.gps.layout import ParallelPlace
     from pivotrl_hpc.gps.local import local_agent
 
@@ -110,14 +125,11 @@ def gps_size(size_mb: int, device: str, repeats: int, work: Path) -> dict:
             out["read_bytes_equal"] = all(torch.equal(dst[n].cpu(), pin.segment.tensor(n))
                                           for n in infos)
         out["read_gbps"] = nbytes / _timed(lambda: client.read("m", out=dst), repeats, sync) / 1e9
-        os.environ[gps_device.ENV_DISABLE] = "1"   # a second client: unregistered mappings
-        try:
+        with _unregistered():   # a second client: its mappings are not registered
             plain = agent.client()
             out["read_pageable_gbps"] = nbytes / _timed(
                 lambda: plain.read("m", out=dst), repeats, sync) / 1e9
             plain.close()
-        finally:
-            del os.environ[gps_device.ENV_DISABLE]
         last = {}
 
         def write() -> None:
@@ -127,16 +139,13 @@ def gps_size(size_mb: int, device: str, repeats: int, work: Path) -> dict:
         back = client.read("m", version=last["version"])
         out["write_bytes_equal"] = all(torch.equal(back[n], dst[n].cpu()) for n in infos)
         del back
-        os.environ[gps_device.ENV_DISABLE] = "1"
-        try:
+        with _unregistered():   # each Write maps its segment anew
             out["write_pageable_gbps"] = nbytes / _timed(write, repeats, sync) / 1e9
-        finally:
-            del os.environ[gps_device.ENV_DISABLE]
         client.close()
     out.update(copy_baselines(nbytes, device, repeats))
     out["read_vs_h2d"] = out["read_gbps"] / out["h2d_gbps"]
     out["write_vs_d2h"] = out["write_gbps"] / out["d2h_gbps"]
-    return {k: round(v, 4) if isinstance(v, float) else v for k, v in out.items()}
+    return _rounded(out)
 
 
 def nixl_bandwidth(device: str, nbytes: int, repeats: int) -> dict:
@@ -182,7 +191,7 @@ def nixl_bandwidth(device: str, nbytes: int, repeats: int) -> dict:
     finally:
         a.deregister_memory(regs[0])
         b.deregister_memory(regs[1])
-    return {k: round(v, 4) if isinstance(v, float) else v for k, v in out.items()}
+    return _rounded(out)
 
 
 def verdicts(result: dict) -> dict:

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pivotrl_hpc.gps import device
 from pivotrl_hpc.gps.layout import TensorInfo
 from pivotrl_hpc.gps.shmdir import ROOT as SHM_ROOT
 from pivotrl_hpc.gps.shmdir import SHM_DIR
@@ -246,14 +247,12 @@ class Segment:
     def register_device(self, writable: bool) -> bool:
         """Page-lock the mapping for DMA to and from the GPU, once (gps/device.py)."""
         if self._registered is None:
-            from pivotrl_hpc.gps import device
             if device.register(self.address, len(self.mm), writable=writable):
                 self._registered = self.address
         return self._registered is not None
 
     def close(self) -> None:
         if self._registered is not None:   # before the unmap: the driver holds its pages
-            from pivotrl_hpc.gps import device
             device.unregister(self._registered)
             self._registered = None
         self._u8 = None
