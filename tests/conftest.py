@@ -22,6 +22,18 @@ def tiny_models(tmp_path_factory) -> Path:
         create_model(out / name, SPECS[name])
     write_dataset(out / "data", seed=0, train=64, validation=16)
     return out
+
+
+@pytest.fixture(scope="session")
+def genrm_archs(tmp_path_factory) -> dict[str, Path]:
+    """Tiny GenRMs of the paper's architectures (GenRM sizes), as `init-models --genrm-arch`
+    writes them: arch -> folder."""
+    from pivotrl_hpc.assets.models import GENRM_ARCHS, SPECS, create_model
+
+    out = tmp_path_factory.mktemp("archs")
+    for arch in GENRM_ARCHS[1:]:
+        create_model(out / arch, SPECS["genrm"], arch)
+    return {arch: out / arch for arch in GENRM_ARCHS[1:]}
 # --- end tiny models and data --------------------------------------------------------
 
 

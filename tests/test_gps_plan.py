@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import replace
 
 import pytest
 
@@ -93,11 +93,7 @@ def test_slice_rules_kv_replication_and_experts():
     with pytest.raises(ValueError):
         ParallelPlace(2, 2)
 
-    @dataclass(frozen=True)
-    class MoEShape(ModelShape):
-        num_experts: int = 8
-
-    moe = MoEShape(**{**SHAPE.__dict__})
+    moe = replace(SHAPE, num_experts=8, moe_intermediate_size=64)
     name = "model.layers.0.mlp.experts.{}.gate_proj.weight"
     place = ParallelPlace(tp_size=2, tp_rank=1, ep_size=4, ep_rank=1)
     assert target_index(name.format(1), (64, 128), moe, place) is None

@@ -33,7 +33,8 @@ from pivotrl_hpc.gps.control import GPSUnavailable
 from pivotrl_hpc.gps.agent import control_path, socket_address
 from pivotrl_hpc.gps.convert import megatron_shard_to_hf_slices
 from pivotrl_hpc.gps.layout import (VOCAB_PARALLEL, ParallelPlace, byte_ranges,
-                                    covering_range, hybrid_owner, target_index)
+                                    covering_range, hybrid_owner, normalized, put, take,
+                                    target_index)
 from pivotrl_hpc.gps.plan import merge_ranges
 from pivotrl_hpc.gps.segment import (DTYPES, SHM_DIR, Header, Segment, itemsize, segment_name,
                                      open_own, reserve_file, staging_prefix)
@@ -255,8 +256,10 @@ class GPSClient:
         wanted = {}
         for name, info in seg.header.tensors.items():
             idx = target_index(name, info.shape, shape, place)
-            if layout == "megatron" and name in VOCAB_PARALLEL and padded_vocab_size:
-                rows = padded_vocab_size // place.tp_size  # Megatron's split of the padding
+            if layout == "megatron" and name in VOCAB_PARALLEL:
+                # Megatron's split of its padded vocabulary, not vLLM's (padded to 64)
+                padded = padded_vocab_size or -(-info.shape[0] // place.tp_size) * place.tp_size
+                rows = padded // place.tp_size
                 idx = (slice(min(place.tp_rank * rows, info.shape[0]),
                              min((place.tp_rank + 1) * rows, info.shape[0])), slice(None))
             if idx is not None:
@@ -268,7 +271,7 @@ class GPSClient:
         res: dict[str, Tensor] = {}
         for name, idx in wanted.items():
             src = sources.get(name)
-            view = seg.tensor(name)[idx] if src is None else src
+            view = take(seg.tensor(name), idx) if src is None else src
             if out is not None and name in out:
                 res[name] = _copy(out[name], view)
             elif copy or src is not None:
@@ -317,9 +320,7 @@ class GPSClient:
             r0 = (lo - info.start) // row_bytes
             rows = raw[base + lo - a: base + hi - a].view(DTYPES[info.dtype])
             rows = rows.view(-1, *info.shape[1:])
-            idx = wanted[name]
-            first = slice(*idx[0].indices(info.shape[0])[:2])
-            out[name] = rows[(slice(first.start - r0, first.stop - r0), *idx[1:])]
+            out[name] = take(rows, normalized(wanted[name], info.shape, r0))
         return out
 
     # ---- Write -----------------------------------------------------------------------------
@@ -364,7 +365,7 @@ class GPSClient:
                 if to_device:
                     seg.register_device(writable=True)
                 for name, index, values in slices:
-                    _copy(seg.tensor(name)[index], values)
+                    put(seg.tensor(name), index, values, _copy)
                 device.synchronize(to_device)   # landed before `written` is sent
             finally:
                 seg.close()

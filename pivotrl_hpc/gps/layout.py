@@ -1,10 +1,12 @@
 """Which part of each canonical (HF-named) tensor a parallel rank needs, and where it lives.
 
-`target_index(name, shape, place)` is the slice rule of Read(M, G, P) for the inference-engine
-layout (what vLLM's Qwen2 loaders keep per TP rank): column-parallel q/k/v/gate/up split on
-dim 0 by heads or rows, row-parallel o_proj/down_proj on dim 1, vocabulary-parallel embedding
-and lm_head on dim 0 (ceil(V / TP) rows per rank, the last rank clipped), KV heads replicated
-when TP exceeds their count, norms replicated, MoE experts owned by `expert // (E / EP)`.
+`target_index(name, dims, shape, place)` is the slice rule of Read(M, G, P) for the inference
+engine's layout: what vLLM's loaders keep per TP and EP rank, for every architecture that
+`gps/arch.py` describes (column-parallel tensors split on dim 0 by heads, rows or each fused
+part; row-parallel on dim 1; the vocabulary padded to 64 and split in equal blocks; KV heads
+replicated when TP exceeds their count; norms and routers replicated; experts owned whole by
+their EP rank, or split like a dense MLP without EP). A fused tensor's index holds several row
+ranges on dim 0 (`Rows`); `take` and `put` apply any index.
 
 The canonical segment layout is the safetensors one: tensors back to back in one flat byte
 space. Planning works on byte ranges of that space, so `byte_ranges` turns a tensor index into
@@ -15,15 +17,13 @@ greedy bin packing on bytes, so every node of a group holds about 1/k of the mod
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
+from pivotrl_hpc.gps.arch import REPLICATED, ROW, VOCAB, VOCAB_PADDING, split_of
 from pivotrl_hpc.gps.shapes import ModelShape
 
-Index = tuple[slice, ...]
-_EXPERT = re.compile(r"\.experts\.(\d+)\.")
-_COLUMN = ("q_proj.", "k_proj.", "v_proj.", "gate_proj.", "up_proj.")
-_ROW = ("o_proj.weight", "down_proj.weight")
+Rows = tuple[slice, ...]   # several row ranges of dim 0: a fused tensor's parts, concatenated
+Index = tuple[slice | Rows, ...]
 VOCAB_PARALLEL = ("model.embed_tokens.weight", "lm_head.weight")
 
 
@@ -66,15 +66,45 @@ def _chunk(n: int, size: int, rank: int) -> slice:
     return slice(rank * step, (rank + 1) * step)
 
 
-def _heads(heads: int, head_dim: int, size: int, rank: int) -> slice:
+def _heads(heads: int, rows_per_head: int, size: int, rank: int) -> slice:
     """Rows of `heads` heads for this rank; replicate heads when ranks outnumber them."""
     if heads >= size:
         h = _chunk(heads, size, rank)
-        return slice(h.start * head_dim, h.stop * head_dim)
+        return slice(h.start * rows_per_head, h.stop * rows_per_head)
     if size % heads:
         raise ValueError(f"TP={size} neither divides nor is a multiple of {heads} KV heads")
     h = rank // (size // heads)
-    return slice(h * head_dim, (h + 1) * head_dim)
+    return slice(h * rows_per_head, (h + 1) * rows_per_head)
+
+
+def _parts(parts: tuple[int, ...], size: int, rank: int) -> Rows:
+    """This rank's rows of each fused part, in part order (vLLM's MergedColumnParallel)."""
+    rows, start = [], 0
+    for n in parts:
+        c = _chunk(n, size, rank)
+        rows.append(slice(start + c.start, start + c.stop))
+        start += n
+    return tuple(rows)
+
+
+def expert_range(num_experts: int, place: ParallelPlace) -> range:
+    """Experts this EP rank owns: vLLM's linear placement (the remainder on the last rank)."""
+    if not num_experts:
+        raise ValueError("expert tensors in a model whose config names no experts")
+    if place.ep_size > num_experts:
+        raise ValueError(f"EP={place.ep_size} exceeds the model's {num_experts} experts")
+    base = num_experts // place.ep_size
+    start = place.ep_rank * base
+    return range(start, num_experts if place.ep_rank == place.ep_size - 1 else start + base)
+
+
+def vocab_rows(vocab: int, place: ParallelPlace) -> slice:
+    """vLLM's vocabulary split: padded to a multiple of 64, equal blocks, the tail clipped."""
+    padded = -(-vocab // VOCAB_PADDING) * VOCAB_PADDING
+    if padded % place.tp_size:
+        raise ValueError(f"TP={place.tp_size} does not divide the padded vocabulary {padded}")
+    per, r = padded // place.tp_size, place.tp_rank
+    return slice(min(r * per, vocab), min((r + 1) * per, vocab))
 
 
 def target_index(name: str, dims: tuple[int, ...], shape: ModelShape,
@@ -82,40 +112,76 @@ def target_index(name: str, dims: tuple[int, ...], shape: ModelShape,
     """Index of `name` (full shape `dims`) that this place needs; None if it needs none."""
     tp, r = place.tp_size, place.tp_rank
     full = (slice(None),) * len(dims)
-    m = _EXPERT.search(name)
-    if m is not None:
-        n_experts = _num_experts_hint(shape, place)
-        if int(m.group(1)) // (n_experts // place.ep_size) != place.ep_rank:
+    split = split_of(name, dims, shape)
+    if split.expert >= 0:
+        if split.expert not in expert_range(shape.num_experts, place):
             return None
         if place.ep_size > 1:  # with expert parallelism each expert stays whole (no TP inside)
             return full
-    if name in VOCAB_PARALLEL:
-        rows = -(-dims[0] // tp)
-        return (slice(min(r * rows, dims[0]), min((r + 1) * rows, dims[0])), *full[1:])
-    if tp == 1:
+    if split.kind == VOCAB:
+        return (vocab_rows(dims[0], place), *full[1:])
+    if tp == 1 or split.kind == REPLICATED:
         return full
-    if name.endswith(_ROW):
-        return (slice(None), _chunk(dims[1], tp, r))
-    if any(p in name for p in _COLUMN):
-        if ".self_attn." in name:
-            heads = shape.num_heads if "q_proj" in name else shape.num_kv_heads
-            return (_heads(heads, shape.head_dim, tp, r), *full[1:])
-        return (_chunk(dims[0], tp, r), *full[1:])
-    return full
+    if split.kind == ROW:
+        return (slice(None), _chunk(dims[1], tp, r), *full[2:])
+    if split.heads:
+        return (_heads(split.heads, dims[0] // split.heads, tp, r), *full[1:])
+    if split.parts:
+        return (_parts(split.parts, tp, r), *full[1:])
+    return (_chunk(dims[0], tp, r), *full[1:])
 
 
-def _num_experts_hint(shape: ModelShape, place: ParallelPlace) -> int:
-    # Dense Qwen2 shapes carry no expert count; MoE callers use ModelShape subclasses that do.
-    n = getattr(shape, "num_experts", 0)
-    if not n:
-        raise ValueError("expert tensors need a shape with num_experts")
-    if n % place.ep_size:
-        raise ValueError(f"EP={place.ep_size} does not divide {n} experts")
-    return n
+def pieces(index: Index) -> list[tuple[slice, ...]]:
+    """An index as plain slice indices: one per fused part of dim 0 (usually one)."""
+    if isinstance(index[0], tuple):
+        return [(rows, *index[1:]) for rows in index[0]]
+    return [index]  # type: ignore[list-item]
+
+
+def take(t, index: Index):
+    """`t[index]`; a fused tensor's parts come back concatenated on dim 0 (then a copy)."""
+    parts = pieces(index)
+    if len(parts) == 1:
+        return t[parts[0]]
+    import torch
+    return torch.cat([t[p] for p in parts])
+
+
+def put(t, index: Index, values, copy) -> None:
+    """Write `values` (shaped as `take(t, index)`) into `t` at `index` with `copy(dst, src)`."""
+    parts, start = pieces(index), 0
+    if len(parts) == 1:
+        copy(t[parts[0]], values)
+        return
+    for p in parts:
+        dst = t[p]
+        copy(dst, values[start:start + dst.shape[0]])
+        start += dst.shape[0]
+
+
+def normalized(index: Index, dims: tuple[int, ...], rows_before: int = 0) -> Index:
+    """Explicit start/stop on dim 0, counted from row `rows_before` of the tensor (a block of
+    it that starts there)."""
+    def norm(s: slice) -> slice:
+        a, b, _ = s.indices(dims[0])
+        return slice(a - rows_before, b - rows_before)
+    first = index[0]
+    return ((tuple(norm(s) for s in first) if isinstance(first, tuple) else norm(first)),
+            *index[1:])
+
+
+def first_row(index: Index, dims: tuple[int, ...]) -> int:
+    first = index[0]
+    return (first[0] if isinstance(first, tuple) else first).indices(dims[0])[0]
 
 
 def byte_ranges(info: TensorInfo, index: Index, itemsize: int) -> list[tuple[int, int]]:
     """Contiguous (start, stop) byte ranges, relative to the data start, covering `index`."""
+    return [r for piece in pieces(index) for r in _piece_ranges(info, piece, itemsize)]
+
+
+def _piece_ranges(info: TensorInfo, index: tuple[slice, ...],
+                  itemsize: int) -> list[tuple[int, int]]:
     dims = info.shape
     norm = [index[i].indices(dims[i]) if i < len(index) else (0, dims[i], 1)
             for i in range(len(dims))]

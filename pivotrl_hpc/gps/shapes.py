@@ -1,8 +1,10 @@
-"""Model shape: what the GPS layout and the converters need from an HF Qwen2 `config.json`.
+"""Model shape: what the GPS layout and the converters need from an HF `config.json`.
 
 Kept torch-free and I/O-light so that the planner, the simulator and the converters can all use
 it. The HF config is the source of truth because the canonical GPS layout is HF's (what vLLM
-loads).
+loads). Dense Qwen2 is the policy architecture (Megatron converters); the GenRM may also be
+GLM-4, Qwen3-MoE or Qwen3.5-MoE (`gps/arch.py` lists their tensors). A multimodal config's
+`text_config` is the language model's shape.
 """
 from __future__ import annotations
 
@@ -11,6 +13,10 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+
+# architectures whose full-attention q_proj also computes an output gate per head
+GATED_ATTENTION = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 
 
 @dataclass(frozen=True)
@@ -27,6 +33,21 @@ class ModelShape:
     qkv_bias: bool
     rms_norm_eps: float
     max_position_embeddings: int
+    architecture: str = "Qwen2ForCausalLM"
+    model_type: str = "qwen2"
+    # mixture of experts (0: dense); `mlp_only_layers` are dense layers of an MoE model
+    num_experts: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    mlp_only_layers: tuple[int, ...] = ()
+    # hybrid attention (Qwen3.5): per-layer "linear_attention" | "full_attention"; () all full
+    layer_types: tuple[str, ...] = ()
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0
+    attn_output_gate: bool = False   # q_proj rows hold [query; gate] per head (Qwen3.5)
 
     @classmethod
     def from_hf_config(cls, cfg: "dict | str | os.PathLike") -> "ModelShape":
@@ -36,12 +57,16 @@ class ModelShape:
             if path.is_dir():
                 path = path / "config.json"
             cfg = json.loads(path.read_text())
+        top = cfg
+        if isinstance(cfg.get("text_config"), dict):   # multimodal wrapper: its language model
+            cfg = {**cfg["text_config"], "architectures": top.get("architectures")}
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
+        model_type = str(cfg.get("model_type", "qwen2")).removesuffix("_text")
         return cls(
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
-            intermediate_size=int(cfg["intermediate_size"]),
+            intermediate_size=int(cfg.get("intermediate_size") or 0),
             num_layers=int(cfg["num_hidden_layers"]),
             num_heads=heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
@@ -52,7 +77,21 @@ class ModelShape:
             qkv_bias=bool(cfg.get("attention_bias", cfg.get("model_type", "qwen2") == "qwen2")),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)),
+            architecture=str((cfg.get("architectures") or ["Qwen2ForCausalLM"])[0]),
+            model_type=model_type,
+            **_moe_fields(cfg), **_linear_attention_fields(cfg),
+            attn_output_gate=model_type in GATED_ATTENTION or bool(cfg.get("attn_output_gate")),
         )
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def is_moe_layer(self, n: int) -> bool:
+        return self.is_moe and n not in self.mlp_only_layers
+
+    def is_linear_attention(self, n: int) -> bool:
+        return bool(self.layer_types) and self.layer_types[n] == "linear_attention"
 
     @property
     def q_per_group(self) -> int:
@@ -69,25 +108,9 @@ class ModelShape:
 
     def hf_param_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every canonical HF tensor name -> shape, in the order HF writes them."""
-        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
-        out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h)}
-        for n in range(self.num_layers):
-            p = f"model.layers.{n}."
-            out[p + "input_layernorm.weight"] = (h,)
-            for proj, rows in (("q_proj", self.q_size), ("k_proj", self.kv_size),
-                               ("v_proj", self.kv_size)):
-                out[f"{p}self_attn.{proj}.weight"] = (rows, h)
-                if self.qkv_bias:
-                    out[f"{p}self_attn.{proj}.bias"] = (rows,)
-            out[p + "self_attn.o_proj.weight"] = (h, self.q_size)
-            out[p + "post_attention_layernorm.weight"] = (h,)
-            out[p + "mlp.gate_proj.weight"] = (i, h)
-            out[p + "mlp.up_proj.weight"] = (i, h)
-            out[p + "mlp.down_proj.weight"] = (h, i)
-        out["model.norm.weight"] = (h,)
-        if not self.tie_word_embeddings:
-            out["lm_head.weight"] = (v, h)
-        return out
+        from pivotrl_hpc.gps.arch import param_shapes
+
+        return param_shapes(self)
 
     def num_params(self) -> int:
         total = 0
@@ -97,6 +120,30 @@ class ModelShape:
                 n *= d
             total += n
         return total
+
+
+def _moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    # Qwen3-MoE / Qwen3.5-MoE say num_experts; Mixtral-style configs num_local_experts
+    n = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    if not n:
+        return {}
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    dense = set(cfg.get("mlp_only_layers") or [])
+    dense |= {i for i in range(int(cfg["num_hidden_layers"])) if (i + 1) % step}
+    return {"num_experts": n, "moe_intermediate_size": int(cfg["moe_intermediate_size"]),
+            "shared_expert_intermediate_size": int(cfg.get("shared_expert_intermediate_size")
+                                                   or 0),
+            "mlp_only_layers": tuple(sorted(dense))}
+
+
+def _linear_attention_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    types = tuple(cfg.get("layer_types") or ())
+    if "linear_attention" not in types:
+        return {}
+    return {"layer_types": types,
+            **{k: int(cfg[k]) for k in ("linear_num_key_heads", "linear_num_value_heads",
+                                        "linear_key_head_dim", "linear_value_head_dim",
+                                        "linear_conv_kernel_dim")}}
 
 
 def _rope_theta(cfg: dict[str, Any]) -> float:
