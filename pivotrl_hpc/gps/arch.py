@@ -129,7 +129,7 @@ _COLUMN_SUFFIXES = ("gate_proj.weight", "up_proj.weight", "in_proj_z.weight",
 def split_of(name: str, dims: tuple[int, ...], shape: ModelShape) -> Split:
     """The split rule of tensor `name` (full shape `dims`) under vLLM's loaders."""
     expert = _expert_of(name)
-    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+    if name.endswith("embed_tokens.weight") or name == "lm_head.weight":
         return Split(VOCAB)
     if name.endswith(_ROW_SUFFIXES):
         return Split(ROW, expert=expert)

@@ -107,7 +107,8 @@ def engine_options(cfg: Any, model: str):
     return EngineOptions(dtype=m.dtype, max_model_len=m.max_prompt_len + m.max_response_len,
                          kv_cache_memory_bytes=cfg.roles.kv_cache_mb * MiB // size,
                          tensor_parallel_size=size, seed=cfg.rl.seed,
-                         omp_threads=omp_threads(cfg))
+                         omp_threads=omp_threads(cfg),
+                         enable_expert_parallel=m.expert_parallel > 1)
 
 
 def engine_world(cfg: Any, model: str, device: int, port_base: int):

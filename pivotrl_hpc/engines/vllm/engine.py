@@ -50,6 +50,7 @@ class VLLMEngine:
     # ------------------------------------------------------------------ lifecycle
     def _start(self, weights: Weights | None) -> dict[str, float]:
         backend.configure_process(self.options, self.gpu)
+        backend.check_architecture(self.model_dir)
         if not self.gpu:
             backend.check_cpu_head_size(self.model_dir)
         pairs, phases = self._read(weights)  # before building: bad weights leave no engine

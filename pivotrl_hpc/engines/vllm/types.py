@@ -31,6 +31,9 @@ class EngineOptions:
     # None: vLLM's default. "external_launcher": this process is one TP rank of the engine
     # (torch world = the replica's ranks, RANK/LOCAL_RANK set; see runtime.engine_host).
     distributed_executor_backend: str | None = None
+    # MoE models: experts spread whole over the replica's TP ranks (vLLM's EP = TP x DP of
+    # the engine) instead of every expert split over them.
+    enable_expert_parallel: bool = False
 
     @property
     def in_process_workers(self) -> bool:
