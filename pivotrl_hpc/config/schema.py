@@ -152,6 +152,8 @@ class DataConfig:
 class TraceConfig:
     path: str = "out/trace.h5"
     log_interval_s: float = 5.0   # one progress line per interval
+    # also write each RL step's metrics as TensorBoard scalars, in <trace>.tensorboard/
+    tensorboard: bool = False
 
 
 @dataclass

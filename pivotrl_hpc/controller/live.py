@@ -198,6 +198,7 @@ def run_on(cfg: Config, comm, device_ranks: Mapping[int, int], trace_path: str |
            placement: list[dict] | None = None) -> dict[str, Any]:
     from pivotrl_hpc.runtime.spec import resumed_from
     from pivotrl_hpc.trace import TraceWriter
+    from pivotrl_hpc.trace.tensorboard import tensorboard_dir
 
     clock = MonotonicClock()
     inbox = MPIInbox(comm)
@@ -207,7 +208,8 @@ def run_on(cfg: Config, comm, device_ranks: Mapping[int, int], trace_path: str |
             "resumed_from": resumed_from(cfg),
             "device_ranks": {str(d): r for d, r in device_ranks.items()},
             "ranks": placement or []}
-    trace = TraceWriter(str(trace_path), meta)
+    trace = TraceWriter(str(trace_path), meta,
+                        tensorboard=tensorboard_dir(trace_path, cfg.trace.tensorboard))
     summary: dict[str, Any] | None = None
     try:
         try:

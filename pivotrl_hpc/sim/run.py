@@ -113,6 +113,7 @@ def simulate(cfg: Config, constants: SimConstants, trace_path: str | Path | None
     from pivotrl_hpc.config.load import to_dict
     from pivotrl_hpc.config.paradigm import normalize
     from pivotrl_hpc.trace import TraceWriter
+    from pivotrl_hpc.trace.tensorboard import tensorboard_dir
 
     cfg = normalize(cfg)   # as the launchers do (colocated: training on every device, k=0)
     workers: list[ModeledWorker] = []
@@ -127,7 +128,8 @@ def simulate(cfg: Config, constants: SimConstants, trace_path: str | Path | None
                               "throughput": {m: vars(t) for m, t in
                                              constants.throughput.items()}},
                 "device_ranks": {}}
-        trace = TraceWriter(str(trace_path), meta)
+        trace = TraceWriter(str(trace_path), meta,
+                            tensorboard=tensorboard_dir(trace_path, cfg.trace.tensorboard))
     summary = None
     try:
         workers += modeled_workers(cfg, constants, clock)

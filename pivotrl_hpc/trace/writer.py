@@ -21,6 +21,7 @@ import h5py
 import numpy as np
 
 from .schema import TABLES, check_row, check_schema, encode_value, loose_json_bytes, numpy_dtype
+from .tensorboard import EventWriter
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +45,12 @@ class TraceWriter:
     """One run's trace. ``append`` buffers; ``flush`` makes the rows visible to readers."""
 
     def __init__(self, path: str | os.PathLike, meta: dict | None = None,
-                 write_every: int = WRITE_EVERY):
+                 write_every: int = WRITE_EVERY, tensorboard: str | os.PathLike | None = None):
+        """`tensorboard`: a folder that also receives every `steps` row's numbers as
+        TensorBoard scalars (`steps/<column>` at the row's step)."""
         check_schema(TABLES)
         self.path = Path(path)
+        self._tb = EventWriter(tensorboard) if tensorboard is not None else None
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._start = time.monotonic()
         self._write_every = max(1, int(write_every))
@@ -94,6 +98,10 @@ class TraceWriter:
                  for column, ctype in columns.items()}
         with self._lock:
             self._check_open()
+            if table == "steps" and self._tb is not None:
+                self._tb.scalars(int(cells["step"]), {
+                    f"steps/{c}": float(cells[c]) for c, ctype in columns.items()
+                    if ctype in ("float", "int") and c not in ("t", "step")})
             buf = self._buffers[table]
             buf.append(cells)
             if len(buf) >= self._write_every:
@@ -152,6 +160,8 @@ class TraceWriter:
             finally:
                 self._closed = True
                 self._file.close()
+                if self._tb is not None:
+                    self._tb.close()
         log.info("trace %s closed", self.path)
 
     @property
