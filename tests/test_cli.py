@@ -32,11 +32,13 @@ HELP = {
     ("export",): ["RUN_OR_CHECKPOINT", "--out", "--force", "--json"],
     ("simulate",): ["config", "--paradigms", "--from-trace", "--train-seconds", "--out"],
     ("report",): ["trace", "--out"],
-    ("profile",): ["throughput"],
+    ("profile",): ["throughput", "links"],
     ("profile", "throughput"): ["--model", "--out", "--role", "--seqs", "--prompt-lens"],
+    ("profile", "links"): ["--out", "--size-mb", "--repeats", "--transport", "--no-remote"],
     ("gps",): ["serve", "clean", "ls"],
     ("doctor",): ["--json", "--shm-min-gb"],
-    ("init-models",): ["dir", "--seed", "--train", "--validation", "--with-100m"],
+    ("init-models",): ["dir", "--seed", "--train", "--validation", "--with-100m",
+                       "--genrm-arch"],
     ("config",): ["config", "overrides", "--json", "--no-check-files"],
 }
 

@@ -1,4 +1,5 @@
 """`pivotrl profile throughput --model DIR --out FILE.yaml`: fit A, B, C, D on a real engine.
+(`pivotrl profile links` measures the GPS links: cli/profile_links.py.)
 
 Measures the inter-token latency of a vLLM engine over a grid of (running sequences, prompt
 length), fits `T = N_seq / (A·N_token + max(B, C·N_seq) + D)` (paper §6.1, appendix A) and
@@ -46,6 +47,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="CPU threads of the engine (CPU backend: one device's share)")
     t.add_argument("--tensor-parallel", type=int, default=1, help="GPU only")
     t.add_argument("--seed", type=int, default=0)
+    from pivotrl_hpc.cli import profile_links
+    profile_links.add_arguments(sub)
 
 
 def latency_grows_with_load(samples) -> bool:
@@ -57,6 +60,9 @@ def latency_grows_with_load(samples) -> bool:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.what == "links":
+        from pivotrl_hpc.cli import profile_links
+        return profile_links.main(args)
     from pivotrl_hpc.engines.vllm import EngineOptions, VLLMEngine
     from pivotrl_hpc.engines.vllm.profile import ProfileGrid, profile_and_fit, write_profile_yaml
 

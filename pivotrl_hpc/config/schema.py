@@ -134,9 +134,20 @@ class ThroughputConfig:
 
 
 @dataclass
+class GPSLinksConfig:
+    """What the agents' replication plans weigh transfers by (`pivotrl profile links`
+    measures them): bytes/s of a node-local copy and of a node-to-node pull, and the fixed
+    seconds of one transfer."""
+    local_bps: float = 10e9
+    remote_bps: float = 2e9
+    overhead_s: float = 20e-6
+
+
+@dataclass
 class GPSConfig:
     memory_budget_gb: float = 0.0   # per node; 0 = everything that /dev/shm allows
     transport: Transport = "nixl"
+    links: GPSLinksConfig = field(default_factory=GPSLinksConfig)
 
 
 @dataclass

@@ -29,6 +29,13 @@ def _positive(cfg: Config) -> None:
         for key in ("tensor_parallel", "expert_parallel", "max_prompt_len", "max_response_len"):
             if getattr(m, key) <= 0:
                 raise ConfigError(f"models.{name}.{key}", f"{getattr(m, key)!r} must be > 0")
+    links = cfg.gps.links
+    for key in ("local_bps", "remote_bps"):
+        if not getattr(links, key) > 0:
+            raise ConfigError(f"gps.links.{key}", f"{getattr(links, key)!r} must be > 0 "
+                                                  "(bytes/s; `pivotrl profile links` measures it)")
+    if not links.overhead_s >= 0:
+        raise ConfigError("gps.links.overhead_s", f"{links.overhead_s!r} must be >= 0")
 
 
 def _replicas(cfg: Config) -> None:

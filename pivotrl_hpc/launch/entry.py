@@ -61,6 +61,7 @@ def _env_float(name: str, default: float) -> float:
 class AgentThread:
     def __init__(self, cfg, comm, job: str, node: str, resumed: dict | None = None):
         from pivotrl_hpc.gps.agent import AgentConfig, NodeAgent
+        from pivotrl_hpc.gps.plan import LinkModel
 
         budget = int(cfg.gps.memory_budget_gb * 2**30) or None
         models = {"policy": cfg.models.policy.path, "genrm": cfg.models.genrm.path}
@@ -69,9 +70,10 @@ class AgentThread:
             models["policy"] = str(Path(resumed["path"]) / "policy")
             first["policy"] = resumed["version"]
         self.job, self.node = job, node
+        links = LinkModel(**vars(cfg.gps.links))   # defaults, or `pivotrl profile links`
         self.agent = NodeAgent(AgentConfig(job=job, node=node, models=models,
                                            budget_bytes=budget, transport=cfg.gps.transport,
-                                           first_versions=first), comm)
+                                           links=links, first_versions=first), comm)
         self.ready = threading.Event()
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name=f"gps-agent-{node}", daemon=True)
