@@ -156,3 +156,45 @@ def test_a_sequence_moved_twice_in_one_migration_is_sent_once():
     acts = migration_actions("reward", MigrationResult(moves=moves), replicas)
     got = [(a.kind, a.replica, a.seq_ids) for a in acts]
     assert got == [("abort", "r1", (7,)), ("abort", "r2", (8,)), ("add", "r0", (5, 7, 8))]
+
+
+@pytest.mark.timeout(120)
+def test_a_step_reply_of_a_replica_planned_down_is_stale_and_nothing_is_lost():
+    """A plan shifts a rollout replica down while its Step is in flight: Algorithm 3 has
+    re-queued the sequences in the scheduler, then the Step reply lands. Its tokens are
+    stale (the records resume from the queue); before, they grew sequences of a replica the
+    scheduler no longer had (SchedulerError, seen simulating the paper's TP=4/8 groups)."""
+    from controller_util import make_controller, split_bootstrap
+
+    from pivotrl_hpc.plan.types import ReplicaSpec, ShiftPlan
+
+    ctl, _ = make_controller(paradigm="static", bootstrap=split_bootstrap(), steps=1)
+    ctl.executor.execute(ctl._bootstrap)
+    ctl._bootstrap = None
+    flow, busy = ctl.flows["rollout"], None
+    while busy is None:   # run the loop until a rollout replica has a Step in flight
+        ctl.collect()
+        ctl.admit()
+        ctl.dispatch()
+        ctl.drive()
+        busy = next((rid for rid, r in flow.sched.replicas.items() if r.n_seq and any(
+            ctl.devices.busy(d) for d in ctl.executor.book.replicas[rid].devices)), None)
+        if busy is None:
+            ctl.clock.wait_until(ctl.next_event())
+    placed = flow.placed_on(busy)
+    assert placed
+    # every rollout replica goes down, so Algorithm 3 can only re-queue (not migrate)
+    down = {rid: ctl.executor.book.replicas[rid].devices for rid in flow.sched.replicas}
+    ctl.executor.execute(ShiftPlan(tuple(down), (), "down, a Step in flight"))
+    assert all(flow.records[s].replica is None for s in placed)   # re-queued at once
+    while ctl.executor.book.in_flight:   # the late Step reply, then the shift downs, land
+        ctl.clock.wait_until(ctl.next_event())
+        ctl.collect()
+    assert all(flow.records[s].replica is None and not flow.records[s].finished
+               for s in placed)
+    # the static paradigm never shifts: bring rollout back by hand, then finish the job
+    ctl.executor.execute(ShiftPlan((), tuple(ReplicaSpec("rollout", d) for d in down.values()),
+                                   "back up"))
+    summary = ctl.run()
+    assert summary["steps"] == 1
+    assert all(rec.finished for rec in flow.records.values() if rec.sid in placed)

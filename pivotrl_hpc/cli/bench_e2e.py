@@ -57,7 +57,8 @@ def candidates(args, paradigm: str) -> list[list[str]]:
     one replica of each role)."""
     from pivotrl_hpc.config import load_config
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides,
+                      check_files=getattr(args, "check_files", True))
     r = cfg.roles
     if paradigm == "disaggregated":
         pool, size = cfg.total_devices - r.train_devices, r.reward_replica_size

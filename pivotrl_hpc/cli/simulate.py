@@ -35,11 +35,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", help="dotted overrides, as for pivotrl run")
 
 
-def _one(args, paradigm: str, extra: list[str], constants, tag: str) -> dict:
+def _load(args, overrides: list[str]):
+    """The config as the simulator runs it: no weights needed, absent model folders and data
+    stood in for (sim/standin.py) under the run's scratch folder."""
     from pivotrl_hpc.config import load_config
+    from pivotrl_hpc.sim.standin import stand_in
+
+    from pivotrl_hpc.config.validate import check_kv_capacity
+
+    cfg, notes = stand_in(load_config(args.config, overrides, check_files=False), args.scratch)
+    check_kv_capacity(cfg)
+    return cfg, notes
+
+
+def _one(args, paradigm: str, extra: list[str], constants, tag: str) -> dict:
     from pivotrl_hpc.sim.run import simulate
 
-    cfg = load_config(args.config, [*args.overrides, f"paradigm.name={paradigm}", *extra])
+    cfg, _ = _load(args, [*args.overrides, f"paradigm.name={paradigm}", *extra])
     trace = Path(args.out) / f"{paradigm}-{tag}.h5" if args.out else None
     t0 = time.monotonic()
     s = simulate(cfg, constants, trace)
@@ -49,11 +61,19 @@ def _one(args, paradigm: str, extra: list[str], constants, tag: str) -> dict:
 
 
 def main(args: argparse.Namespace) -> int:
-    from pivotrl_hpc.config import ConfigError, load_config
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="pivotrl-sim-") as scratch:
+        args.scratch = Path(scratch)
+        return _main(args)
+
+
+def _main(args: argparse.Namespace) -> int:
+    from pivotrl_hpc.config import ConfigError
     from pivotrl_hpc.sim.run import SimConstants
 
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg, stood_in = _load(args, args.overrides)
     except ConfigError as e:
         print(f"pivotrl simulate: {e}", file=sys.stderr)
         return 2
@@ -66,7 +86,8 @@ def main(args: argparse.Namespace) -> int:
         SimConstants.from_config(cfg, args.train_seconds)
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
-    bench_args = argparse.Namespace(config=args.config, overrides=args.overrides)
+    bench_args = argparse.Namespace(config=args.config, overrides=args.overrides,
+                                    check_files=False)
     result: dict = {}
     for paradigm in names:
         best, best_run = [], None
@@ -81,5 +102,6 @@ def main(args: argparse.Namespace) -> int:
                            "shift_down_s": constants.shift_down_s,
                            "train_s": constants.train_s, "startup_s": constants.startup_s,
                            "throughput": {m: vars(t) for m, t in constants.throughput.items()}}
+    result["stood_in"] = stood_in   # what the run took the place of absent folders with
     print(json.dumps(result, indent=1))
     return 0

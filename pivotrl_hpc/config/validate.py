@@ -98,6 +98,25 @@ def model_context(path: str) -> int:
     return int(hf.get("text_config", hf)["max_position_embeddings"])
 
 
+def check_kv_capacity(cfg: Config) -> None:
+    """A sequence at its longest must fit one replica's KV cache, or the scheduler can never
+    place it and the job waits forever (the paper groups at the CPU default of 16 MB did)."""
+    from pivotrl_hpc.gps.shapes import ModelShape
+
+    mb = cfg.roles.kv_cache_mb
+    for name, role in (("policy", "rollout"), ("genrm", "reward")):
+        m: ModelConfig = getattr(cfg.models, name)
+        per_token = ModelShape.from_hf_config(m.path).kv_bytes_per_token(
+            4 if m.dtype == "float32" else 2)
+        need = m.max_prompt_len + m.max_response_len
+        if need * per_token > mb * 2**20:
+            raise ConfigError("roles.kv_cache_mb",
+                              f"{mb} MB per {role} replica holds {mb * 2**20 // per_token} "
+                              f"tokens of {name} ({per_token} bytes a token), fewer than its "
+                              f"longest sequence (max_prompt_len + max_response_len = {need}); "
+                              f"raise it to at least {-(-need * per_token // 2**20)}")
+
+
 def _folder_architecture(cfg: Config, name: str, m: ModelConfig) -> None:
     hf = json.loads((Path(m.path) / "config.json").read_text())
     found = (hf.get("architectures") or ["?"])[0]
@@ -200,6 +219,7 @@ def _models_on_disk(cfg: Config) -> None:
             raise ConfigError(f"models.{name}.max_response_len",
                               f"max_prompt_len + max_response_len = {need} exceeds the model's "
                               f"context of {ctx} tokens")
+    check_kv_capacity(cfg)
     for split in ("train", "validation"):
         path = getattr(cfg.data, split)
         if path and not Path(path).is_file():

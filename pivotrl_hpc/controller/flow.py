@@ -113,6 +113,11 @@ class RoleFlow:
                 rec.epoch += 1
                 self.on_event("abort", rec, replica)
 
+    def placed_on(self, replica: str) -> list[int]:
+        """The unfinished sequences whose records place them on `replica`."""
+        return [sid for sid, rec in self.records.items()
+                if rec.replica == replica and not rec.finished]
+
     def placements(self, replica: str) -> dict[int, int]:
         """The epochs of the sequences on `replica` now (taken when a Step is sent)."""
         r = self.sched.replicas.get(replica)

@@ -41,8 +41,8 @@ FIXED = ("colocated", "disaggregated", "rr_colocated")  # they place their own r
 def kv_tokens(model_dir: str, kv_cache_mb: int, dtype: str) -> int:
     """Tokens a KV cache of `kv_cache_mb` holds for this model (K and V, every layer)."""
     shape = ModelShape.from_hf_config(model_dir)
-    per_token = 2 * shape.num_layers * shape.kv_size
-    return kv_cache_mb * 2**20 // (per_token * (2 if dtype != "float32" else 4))
+    per_token = shape.kv_bytes_per_token(2 if dtype != "float32" else 4)
+    return kv_cache_mb * 2**20 // per_token
 
 
 def loop_config(cfg: Config) -> LoopConfig:

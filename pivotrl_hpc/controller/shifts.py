@@ -82,7 +82,13 @@ class Executor:
             self.training.shifting = True
         else:
             self.book.replicas.pop(a.replica)
-            self.flows[a.role].versions.pop(a.replica, None)
+            flow = self.flows[a.role]
+            flow.versions.pop(a.replica, None)
+            # The plan's Algorithm 3 re-queued this replica's sequences in the scheduler
+            # already: their records resume from the queue now, so a Step reply of this
+            # replica still in flight is stale (else it grows sequences of a replica the
+            # scheduler no longer has: seen at TP=4/8 on the paper groups' simulation).
+            flow.aborted(flow.placed_on(a.replica), a.replica)
 
         def done(replies: list[Reply]) -> None:
             check_replies(replies)

@@ -93,6 +93,12 @@ class ModelShape:
     def is_linear_attention(self, n: int) -> bool:
         return bool(self.layer_types) and self.layer_types[n] == "linear_attention"
 
+    def kv_bytes_per_token(self, itemsize: int) -> int:
+        """K and V of one token over the layers that keep them (linear-attention layers hold
+        a fixed-size state instead)."""
+        layers = sum(1 for n in range(self.num_layers) if not self.is_linear_attention(n))
+        return 2 * layers * self.kv_size * itemsize
+
     @property
     def q_per_group(self) -> int:
         """Query heads per key/value head (one Megatron query group)."""
