@@ -158,7 +158,7 @@ BAD_INPUTS = [
     (["rl.stepz=3"], "rl.stepz", "did you mean 'steps'"),
     (["paradigm.name=pivot"], "paradigm.name", "'pivot' is not one of"),
     (["rl.steps"], "rl.steps", "section.key=value"),
-    (["models.policy.path=/nonexistent/policy"], "models.policy.path", "no config.json"),
+    (["models.policy.path=/nonexistent/policy"], "models.policy.path", "provide the HuggingFace folder there"),
     (["data.train=/nonexistent/train.jsonl"], "data.train", "does not exist"),
     (["models.genrm.max_response_len=4000"], "models.genrm.max_response_len",
      "exceeds the model's context"),
