@@ -58,9 +58,6 @@ def qwen2_config(spec: TinySpec):
 
 
 GENRM_ARCHS = ("qwen2", "glm4", "qwen3_moe", "qwen3_5_moe")
-# the paper's GenRM of each architecture (Table 1)
-PAPER_GENRM = {"qwen2": "Qwen2.5 (dense)", "glm4": "GLM-Z1-9B", "qwen3_moe": "Qwen3-30B-A3B",
-               "qwen3_5_moe": "Qwen3.5-122B-A10B"}
 _MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256)
 
 

@@ -51,14 +51,13 @@ def run_once(args, paradigm: str, tag: str, extra: list[str]) -> dict:
     return json.loads(trace.with_suffix(".summary.json").read_text())
 
 
-def candidates(args, paradigm: str) -> list[list[str]]:
+def candidates(args, paradigm: str, check_files: bool = True) -> list[list[str]]:
     """Static splits to search: disaggregated (rollout, reward) devices of the non-training
     pool; rr_colocated the training devices (whole TP groups, leaving the pool room for
     one replica of each role)."""
     from pivotrl_hpc.config import load_config
 
-    cfg = load_config(args.config, args.overrides,
-                      check_files=getattr(args, "check_files", True))
+    cfg = load_config(args.config, args.overrides, check_files=check_files)
     r = cfg.roles
     if paradigm == "disaggregated":
         pool, size = cfg.total_devices - r.train_devices, r.reward_replica_size

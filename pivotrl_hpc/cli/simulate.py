@@ -39,9 +39,8 @@ def _load(args, overrides: list[str]):
     """The config as the simulator runs it: no weights needed, absent model folders and data
     stood in for (sim/standin.py) under the run's scratch folder."""
     from pivotrl_hpc.config import load_config
-    from pivotrl_hpc.sim.standin import stand_in
-
     from pivotrl_hpc.config.validate import check_kv_capacity
+    from pivotrl_hpc.sim.standin import stand_in
 
     cfg, notes = stand_in(load_config(args.config, overrides, check_files=False), args.scratch)
     check_kv_capacity(cfg)
@@ -86,12 +85,11 @@ def _main(args: argparse.Namespace) -> int:
         SimConstants.from_config(cfg, args.train_seconds)
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
-    bench_args = argparse.Namespace(config=args.config, overrides=args.overrides,
-                                    check_files=False)
+    bench_args = argparse.Namespace(config=args.config, overrides=args.overrides)
     result: dict = {}
     for paradigm in names:
         best, best_run = [], None
-        for extra in candidates(bench_args, paradigm) or [[]]:
+        for extra in candidates(bench_args, paradigm, check_files=False) or [[]]:
             tag = "-".join(x.rsplit("=", 1)[1] for x in extra) or "run"
             run = _one(args, paradigm, extra, constants, tag)
             if best_run is None or run["tokens_per_s"] > best_run["tokens_per_s"]:

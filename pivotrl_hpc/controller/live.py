@@ -30,19 +30,12 @@ from pivotrl_hpc.controller.rl import Lengths, RLBook
 from pivotrl_hpc.controller.task import ArithmeticTask
 from pivotrl_hpc.plan.types import ReplicaSpec, ShiftPlan
 from pivotrl_hpc.runtime.messages import Shutdown
-from pivotrl_hpc.gps.shapes import ModelShape
+from pivotrl_hpc.gps.shapes import kv_tokens
 from pivotrl_hpc.sched.model import ThroughputModel
 
 log = logging.getLogger(__name__)
 
 FIXED = ("colocated", "disaggregated", "rr_colocated")  # they place their own replicas
-
-
-def kv_tokens(model_dir: str, kv_cache_mb: int, dtype: str) -> int:
-    """Tokens a KV cache of `kv_cache_mb` holds for this model (K and V, every layer)."""
-    shape = ModelShape.from_hf_config(model_dir)
-    per_token = shape.kv_bytes_per_token(2 if dtype != "float32" else 4)
-    return kv_cache_mb * 2**20 // per_token
 
 
 def loop_config(cfg: Config) -> LoopConfig:

@@ -147,7 +147,7 @@ def split_of(name: str, dims: tuple[int, ...], shape: ModelShape) -> Split:
 
 
 def _expert_of(name: str) -> int:
-    head, sep, tail = name.partition(".experts.")
+    _, sep, tail = name.partition(".experts.")
     if not sep:
         return -1
     number = tail.split(".", 1)[0]

@@ -32,7 +32,8 @@ from pivotrl_hpc.gps import control, device, shmdir
 from pivotrl_hpc.gps.control import GPSUnavailable
 from pivotrl_hpc.gps.agent import control_path, socket_address
 from pivotrl_hpc.gps.convert import megatron_shard_to_hf_slices
-from pivotrl_hpc.gps.layout import (VOCAB_PARALLEL, ParallelPlace, byte_ranges,
+from pivotrl_hpc.gps.arch import VOCAB, split_of
+from pivotrl_hpc.gps.layout import (ParallelPlace, byte_ranges,
                                     covering_range, hybrid_owner, normalized, put, take,
                                     target_index)
 from pivotrl_hpc.gps.plan import merge_ranges
@@ -256,7 +257,7 @@ class GPSClient:
         wanted = {}
         for name, info in seg.header.tensors.items():
             idx = target_index(name, info.shape, shape, place)
-            if layout == "megatron" and name in VOCAB_PARALLEL:
+            if layout == "megatron" and split_of(name, info.shape, shape).kind == VOCAB:
                 # Megatron's split of its padded vocabulary, not vLLM's (padded to 64)
                 padded = padded_vocab_size or -(-info.shape[0] // place.tp_size) * place.tp_size
                 rows = padded // place.tp_size

@@ -24,7 +24,6 @@ from pivotrl_hpc.gps.shapes import ModelShape
 
 Rows = tuple[slice, ...]   # several row ranges of dim 0: a fused tensor's parts, concatenated
 Index = tuple[slice | Rows, ...]
-VOCAB_PARALLEL = ("model.embed_tokens.weight", "lm_head.weight")
 
 
 @dataclass(frozen=True)
@@ -149,11 +148,8 @@ def take(t, index: Index):
 
 def put(t, index: Index, values, copy) -> None:
     """Write `values` (shaped as `take(t, index)`) into `t` at `index` with `copy(dst, src)`."""
-    parts, start = pieces(index), 0
-    if len(parts) == 1:
-        copy(t[parts[0]], values)
-        return
-    for p in parts:
+    start = 0
+    for p in pieces(index):
         dst = t[p]
         copy(dst, values[start:start + dst.shape[0]])
         start += dst.shape[0]

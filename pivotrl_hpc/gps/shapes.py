@@ -128,6 +128,17 @@ class ModelShape:
         return total
 
 
+def kv_bytes(model_dir: str, dtype: str) -> int:
+    """KV cache bytes of one token of this model in `dtype` ("float32": 4 bytes, else 2)."""
+    return ModelShape.from_hf_config(model_dir).kv_bytes_per_token(
+        4 if dtype == "float32" else 2)
+
+
+def kv_tokens(model_dir: str, kv_cache_mb: int, dtype: str) -> int:
+    """Tokens a KV cache of `kv_cache_mb` holds for this model."""
+    return kv_cache_mb * 2**20 // kv_bytes(model_dir, dtype)
+
+
 def _moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     # Qwen3-MoE / Qwen3.5-MoE say num_experts; Mixtral-style configs num_local_experts
     n = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)

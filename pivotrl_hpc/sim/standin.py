@@ -32,8 +32,7 @@ def stand_in(cfg: Config, workdir: Path) -> tuple[Config, list[str]]:
             notes.append(note)
     data = cfg.data
     if not (data.train and Path(data.train).is_file()):
-        from pivotrl_hpc.assets.dataset import write_dataset
-        paths = write_dataset(workdir / "data")
+        paths = _dataset(workdir / "data")
         notes.append(f"data.train {data.train or '(none)'} absent: the synthetic arithmetic "
                      "dataset")
         data = dataclasses.replace(data, train=str(paths["train"]),
@@ -59,10 +58,19 @@ def _model_folder(name: str, path: str, workdir: Path) -> tuple[str, str | None]
                           "config.json (no weights)")
     card, config = found
     folder = workdir / f"{name}-{card}"
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(config))
-    _tokenizer(folder)
+    if not (folder / "config.json").is_file():   # once per scratch folder, not once per run
+        folder.mkdir(parents=True, exist_ok=True)
+        _tokenizer(folder)
+        (folder / "config.json").write_text(json.dumps(config))
     return str(folder), f"models.{name}.path {path} absent: the {card} model card"
+
+
+def _dataset(folder: Path) -> dict[str, Path]:
+    from pivotrl_hpc.assets.dataset import write_dataset
+    paths = {split: folder / f"{split}.jsonl" for split in ("train", "validation")}
+    if all(p.is_file() for p in paths.values()):
+        return paths
+    return write_dataset(folder)
 
 
 def _tokenizer(folder: Path) -> None:
