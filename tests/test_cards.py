@@ -3,7 +3,6 @@ group whose folders are not here (sim/standin.py)."""
 from __future__ import annotations
 
 import json
-import math
 import subprocess
 import sys
 from pathlib import Path
@@ -22,20 +21,13 @@ PUBLISHED = {"Qwen2.5-1.5B": (1.54e9, None), "Qwen2.5-7B": (7.61e9, None),
              "Qwen3.5-122B-A10B": (122e9, 10e9)}
 
 
-def active_params(shape: ModelShape, card: dict) -> float:
-    shapes = shape.hf_param_shapes()
-    experts = sum(math.prod(v) for k, v in shapes.items() if ".experts." in k)
-    top_k = card.get("num_experts_per_tok") or card["text_config"]["num_experts_per_tok"]
-    return shape.num_params() - experts + experts * top_k / shape.num_experts
-
-
 @pytest.mark.parametrize("name", sorted(CARDS))
 def test_each_card_has_its_models_published_parameter_count(name):
     shape = ModelShape.from_hf_config(CARDS[name])
     total, active = PUBLISHED[name]
     assert abs(shape.num_params() / total - 1) < 0.02, shape.num_params()
     if active is not None:
-        assert abs(active_params(shape, CARDS[name]) / active - 1) < 0.05
+        assert abs(shape.num_active_params() / active - 1) < 0.05
 
 
 def test_hybrid_attention_keeps_kv_in_its_full_attention_layers_only():
@@ -64,12 +56,19 @@ def test_the_paper_configs_name_their_cards_architectures(group):
 
 @pytest.mark.parametrize("group", GROUPS)
 def test_simulate_runs_a_paper_group_without_its_folders(group):
+    """With constants derived from the H20 and the group's models (sim/profile.py); the
+    responses are cut to ~1 % of the paper's lengths to keep the suite fast (a paper-length
+    step takes minutes of wall time: NOTES, "Profiles")."""
     p = subprocess.run([sys.executable, "-m", "pivotrl_hpc.cli.main", "simulate",
                         str(ROOT / "configs" / group), "--paradigms", "shiftable",
-                        "rl.steps=1"], capture_output=True, text=True, timeout=300)
+                        "rl.steps=1", "workload.rollout_median=25",
+                        "workload.genrm_median=15"], capture_output=True, text=True,
+                       timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     out = json.loads(p.stdout)
     assert out["shiftable"]["tokens_per_s"] > 0
+    assert out["constants"]["source"] == "profile H20-96GB"
+    assert out["constants"]["train_s_per_token"] > 0
     notes = " ".join(out["stood_in"])
     assert "models.policy.path" in notes and "models.genrm.path" in notes
     assert "model card" in notes and "synthetic arithmetic dataset" in notes

@@ -3,8 +3,9 @@ on modeled devices and virtual time (pivotrl_hpc/sim/run.py), side by side, in s
 wall time instead of minutes.
 
 The same controller as a live run decides; only the devices are modeled. Costs come from the
-config (throughput constants, tau_shift, `--train-seconds`) or, with `--from-trace`, from
-what a live run measured. Disaggregated and rr_colocated get their best static split from
+GPU's datasheet and the models' dimensions (`--hardware h20`, the default for a GPU config:
+sim/profile.py), from the config (throughput constants, tau_shift, `--train-seconds`; the
+default for a CPU config) or, with `--from-trace`, from what a live run measured. Disaggregated and rr_colocated get their best static split from
 the same search as `pivotrl bench e2e`. Prints one JSON object shaped like bench e2e's:
 {"<paradigm>": {"tokens_per_s", "seconds", "shifts", "idle_fraction", "split"},
  "speedup_vs": {...}, "constants": {...}}; `--out DIR` keeps every run's trace.
@@ -29,7 +30,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--from-trace", default=None,
                    help="take shift, training and throughput constants from a live trace")
     p.add_argument("--train-seconds", type=float, default=1.0,
-                   help="seconds of one training step (without --from-trace)")
+                   help="seconds of one training step (with --hardware config)")
+    p.add_argument("--hardware", default=None, choices=("h20", "config"),
+                   help="derive the constants from this GPU's datasheet and the models' "
+                        "dimensions (sim/profile.py; default for device_kind gpu: h20), or "
+                        "take them from the config (default for cpu)")
     p.add_argument("--out", default=None, help="write each run's trace here")
     p.add_argument("--json", action="store_true", help="(always JSON; kept for symmetry)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, as for pivotrl run")
@@ -59,6 +64,18 @@ def _one(args, paradigm: str, extra: list[str], constants, tag: str) -> dict:
     return s
 
 
+def _constants(args, cfg):
+    from pivotrl_hpc.sim.profile import HARDWARE
+    from pivotrl_hpc.sim.run import SimConstants
+
+    if args.from_trace:
+        return SimConstants.from_trace(args.from_trace, cfg)
+    hardware = args.hardware or ("h20" if cfg.cluster.device_kind == "gpu" else "config")
+    if hardware == "config":
+        return SimConstants.from_config(cfg, args.train_seconds)
+    return SimConstants.from_profile(cfg, HARDWARE[hardware])
+
+
 def main(args: argparse.Namespace) -> int:
     import tempfile
 
@@ -69,7 +86,6 @@ def main(args: argparse.Namespace) -> int:
 
 def _main(args: argparse.Namespace) -> int:
     from pivotrl_hpc.config import ConfigError
-    from pivotrl_hpc.sim.run import SimConstants
 
     try:
         cfg, stood_in = _load(args, args.overrides)
@@ -81,8 +97,7 @@ def _main(args: argparse.Namespace) -> int:
     if unknown:
         print(f"pivotrl simulate: unknown paradigm(s) {', '.join(unknown)}", file=sys.stderr)
         return 2
-    constants = SimConstants.from_trace(args.from_trace, cfg) if args.from_trace else \
-        SimConstants.from_config(cfg, args.train_seconds)
+    constants = _constants(args, cfg)
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
     bench_args = argparse.Namespace(config=args.config, overrides=args.overrides)
@@ -96,10 +111,7 @@ def _main(args: argparse.Namespace) -> int:
                 best, best_run = extra, run
         result[paradigm] = {k: best_run.get(k) for k in SHOWN} | {"split": best}
     result["speedup_vs"] = speedups(result, "tokens_per_s")
-    result["constants"] = {"source": constants.source, "shift_up_s": constants.shift_up_s,
-                           "shift_down_s": constants.shift_down_s,
-                           "train_s": constants.train_s, "startup_s": constants.startup_s,
-                           "throughput": {m: vars(t) for m, t in constants.throughput.items()}}
+    result["constants"] = constants.to_dict()
     result["stood_in"] = stood_in   # what the run took the place of absent folders with
     print(json.dumps(result, indent=1))
     return 0

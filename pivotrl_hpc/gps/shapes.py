@@ -9,6 +9,7 @@ GLM-4, Qwen3-MoE or Qwen3.5-MoE (`gps/arch.py` lists their tensors). A multimoda
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +38,7 @@ class ModelShape:
     model_type: str = "qwen2"
     # mixture of experts (0: dense); `mlp_only_layers` are dense layers of an MoE model
     num_experts: int = 0
+    num_experts_per_tok: int = 0      # routed experts a token passes through (top-k)
     moe_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
     mlp_only_layers: tuple[int, ...] = ()
@@ -127,6 +129,16 @@ class ModelShape:
             total += n
         return total
 
+    def num_active_params(self) -> float:
+        """Parameters one token passes through: all but the routed experts, and top-k of
+        those (the MoE models' published "active" count)."""
+        total = self.num_params()
+        if not self.is_moe:
+            return float(total)
+        experts = sum(math.prod(v) for k, v in self.hf_param_shapes().items()
+                      if ".experts." in k)
+        return total - experts + experts * self.num_experts_per_tok / self.num_experts
+
 
 def kv_bytes(model_dir: str, dtype: str) -> int:
     """KV cache bytes of one token of this model in `dtype` ("float32": 4 bytes, else 2)."""
@@ -147,7 +159,8 @@ def _moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     step = int(cfg.get("decoder_sparse_step") or 1)
     dense = set(cfg.get("mlp_only_layers") or [])
     dense |= {i for i in range(int(cfg["num_hidden_layers"])) if (i + 1) % step}
-    return {"num_experts": n, "moe_intermediate_size": int(cfg["moe_intermediate_size"]),
+    return {"num_experts": n, "num_experts_per_tok": int(cfg.get("num_experts_per_tok") or 0),
+            "moe_intermediate_size": int(cfg["moe_intermediate_size"]),
             "shared_expert_intermediate_size": int(cfg.get("shared_expert_intermediate_size")
                                                    or 0),
             "mlp_only_layers": tuple(sorted(dense))}

@@ -52,6 +52,7 @@ class ModeledWorker:
     shift_up_s: dict[str, float]
     shift_down_s: dict[str, float]
     train_s: float = 1.0
+    train_s_per_token: float = 0.0     # + this per prompt and response token of the batch
     vocab: int = 64
     role: RoleKind = RoleKind.IDLE
     version: int | None = None
@@ -119,7 +120,10 @@ class ModeledWorker:
             return self._abort(cmd.seq_ids), 0.0
         if isinstance(cmd, TrainStep):
             self.store.pending = self.store.version + 1
-            return {"loss": 0.0, "gps_version": self.store.pending}, self.train_s
+            b = cmd.batch
+            tokens = sum(map(len, b.prompts)) + sum(map(len, b.responses))
+            return {"loss": 0.0, "gps_version": self.store.pending}, \
+                self.train_s + self.train_s_per_token * tokens
         if isinstance(cmd, WaitWrite):
             if self.store.pending is not None:
                 self.store.version, self.store.pending = self.store.pending, None

@@ -22,7 +22,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pivotrl_hpc.config.schema import Config
 from pivotrl_hpc.controller.clock import VirtualClock
@@ -31,6 +31,9 @@ from pivotrl_hpc.controller.live import build_controller
 from pivotrl_hpc.controller.policy import initial_tau
 from pivotrl_hpc.sched.model import ThroughputModel
 from pivotrl_hpc.sim.modeled import ModeledStore, ModeledWorker
+
+if TYPE_CHECKING:
+    from pivotrl_hpc.sim.profile import Hardware
 
 ROLES = ("rollout", "reward", "training")
 DOWN_FRACTION = 0.25   # shift down seconds / shift up seconds, without measurements
@@ -44,6 +47,13 @@ class SimConstants:
     throughput: dict[str, ThroughputModel]   # "policy", "genrm"
     source: str = "config"
     startup_s: float = 0.0
+    train_s_per_token: float = 0.0   # a training step is train_s + this * batch tokens
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"source": self.source, "shift_up_s": self.shift_up_s,
+                "shift_down_s": self.shift_down_s, "train_s": self.train_s,
+                "train_s_per_token": self.train_s_per_token, "startup_s": self.startup_s,
+                "throughput": {m: vars(t) for m, t in self.throughput.items()}}
 
     @classmethod
     def from_config(cls, cfg: Config, train_s: float = 1.0) -> "SimConstants":
@@ -52,6 +62,27 @@ class SimConstants:
         return cls(up, {r: DOWN_FRACTION * s for r, s in up.items()}, train_s,
                    {"policy": ThroughputModel(**vars(t.policy)),
                     "genrm": ThroughputModel(**vars(t.genrm))})
+
+    @classmethod
+    def from_profile(cls, cfg: Config, hw: "Hardware") -> "SimConstants":
+        """Derived from the hardware's datasheet and the models' dimensions (sim/profile.py).
+        `cfg`'s model paths must hold a config.json (a folder, or a card's stand-in)."""
+        from pivotrl_hpc.gps.shapes import ModelShape
+        from pivotrl_hpc.sim import profile as pf
+
+        pol, gen = cfg.models.policy, cfg.models.genrm
+        ps, gs = ModelShape.from_hf_config(pol.path), ModelShape.from_hf_config(gen.path)
+        r_up, r_down = pf.inference_shift(ps, pol.dtype, pol.tensor_parallel, hw)
+        g_up, g_down = pf.inference_shift(gs, gen.dtype, gen.tensor_parallel, hw)
+        t_up, t_down = pf.training_shift(ps, cfg.roles.train_devices,
+                                         cfg.roles.train_tensor_parallel, hw)
+        return cls({"rollout": r_up, "reward": g_up, "training": t_up},
+                   {"rollout": r_down, "reward": g_down, "training": t_down},
+                   0.0,
+                   {"policy": pf.inference_model(ps, pol.dtype, pol.tensor_parallel, hw),
+                    "genrm": pf.inference_model(gs, gen.dtype, gen.tensor_parallel, hw)},
+                   f"profile {hw.name}",
+                   train_s_per_token=pf.train_seconds(ps, 1.0, cfg.roles.train_devices, hw))
 
     @classmethod
     def from_trace(cls, path: str | Path, cfg: Config) -> "SimConstants":
@@ -99,7 +130,8 @@ def modeled_workers(cfg: Config, constants: SimConstants, clock: VirtualClock
     store = ModeledStore()
     workers = [ModeledWorker(d, clock, store, dict(constants.throughput),
                              dict(constants.shift_up_s), dict(constants.shift_down_s),
-                             train_s=constants.train_s)
+                             train_s=constants.train_s,
+                             train_s_per_token=constants.train_s_per_token)
                for d in range(cfg.total_devices)]
     for w in workers:
         w._free_at = constants.startup_s   # nothing runs before the job has started
@@ -121,12 +153,7 @@ def simulate(cfg: Config, constants: SimConstants, trace_path: str | Path | None
     trace = None
     if trace_path is not None:
         meta = {"config": to_dict(cfg), "paradigm": cfg.paradigm.name, "simulated": True,
-                "constants": {"shift_up_s": constants.shift_up_s,
-                              "shift_down_s": constants.shift_down_s,
-                              "train_s": constants.train_s, "source": constants.source,
-                              "startup_s": constants.startup_s,
-                              "throughput": {m: vars(t) for m, t in
-                                             constants.throughput.items()}},
+                "constants": constants.to_dict(),
                 "device_ranks": {}}
         trace = TraceWriter(str(trace_path), meta,
                             tensorboard=tensorboard_dir(trace_path, cfg.trace.tensorboard))

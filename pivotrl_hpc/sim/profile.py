@@ -1,0 +1,109 @@
+"""Device profiles from the hardware and the model's dimensions (issue 12: the paper's groups).
+
+The simulator needs, per model group, the throughput constants A-D of each inference role
+(paper appendix A), the seconds of a training step and the seconds of each shift. On the
+paper's cluster they were profiled offline; here they are derived from the datasheet figures
+of the hardware (`Hardware`) and the model's config (`gps.shapes.ModelShape`), so
+`pivotrl simulate` on a paper group answers from that group's models, not from defaults.
+
+Per GPU of a replica of tensor-parallel degree `tp` (EP spreads the experts the same way):
+- A = KV bytes of one token read on this GPU / (eta_mem * HBM bandwidth). Every decode
+  iteration reads each running sequence's whole KV cache; a GPU holds max(1/tp, 1/kv_heads)
+  of it (KV heads are replicated once tp exceeds them).
+- B = weight bytes read per iteration on this GPU / (eta_mem * HBM bandwidth): all
+  parameters / tp. For an MoE model all experts count: at RL decode batches (hundreds of
+  sequences, top-8 of 128-256 experts) every expert is hit each iteration.
+- C = 2 * active parameters / tp / (eta_flop * bf16 FLOP/s): the GEMM work of one more
+  sequence once the FFN is compute bound.
+- D = `step_overhead_s` (scheduler, sampling, launches) + 2 all-reduces per layer at
+  `allreduce_s` each when tp > 1.
+- training step = 8 * active parameters * tokens / (devices * bf16 FLOP/s * mfu_train):
+  forward + backward (6 N per token) and the recomputed old-policy log-probabilities (2 N).
+- shift up of an inference replica = `engine_wake_s` + its weight bytes per GPU over the
+  GPS Read link (PCIe: replication-first GPS makes every Read node-local, appendix B.1);
+  shift down = `engine_sleep_s` (weights and KV cache are discarded, nothing moves).
+- training shift up = `train_wake_s` + bf16 weights per GPU (GPS Read) + fp32 master
+  weights and Adam moments (12 bytes a parameter, sharded over the training GPUs) back from
+  host memory; shift down = `train_sleep_s` + those 12 bytes a parameter out to the host.
+The efficiency factors and fixed seconds are assumptions, named and set in `Hardware`;
+`shift_table` prints the shift seconds beside the paper's Figure 12 for comparison.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from pivotrl_hpc.gps.shapes import ModelShape
+from pivotrl_hpc.sched.model import ThroughputModel
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    hbm_bps: float           # HBM bandwidth of one GPU, bytes/s
+    bf16_flops: float        # dense bf16 tensor FLOP/s of one GPU
+    pcie_bps: float          # host <-> GPU (a node-local GPS Read)
+    nvlink_bps: float        # GPU <-> GPU inside a node
+    ib_bps: float            # node <-> node
+    eta_mem: float = 0.7     # achieved / peak HBM bandwidth in decode kernels
+    eta_flop: float = 0.5    # achieved / peak FLOP/s of decode GEMMs once compute bound
+    mfu_train: float = 0.35  # model FLOP utilisation of a Megatron training step
+    step_overhead_s: float = 3e-3
+    allreduce_s: float = 10e-6
+    engine_wake_s: float = 1.0
+    engine_sleep_s: float = 0.5
+    train_wake_s: float = 1.5
+    train_sleep_s: float = 1.0
+
+
+# The paper's cluster (§8.1): NVIDIA H20 96 GB (4.0 TB/s HBM3, 148 TFLOP/s dense bf16),
+# NVLink 900 GB/s, InfiniBand 50 GB/s, PCIe 63 GB/s (§5.1).
+H20 = Hardware("H20-96GB", hbm_bps=4.0e12, bf16_flops=148e12, pcie_bps=63e9,
+               nvlink_bps=900e9, ib_bps=50e9)
+HARDWARE = {"h20": H20}
+
+# The paper's Figure 12 (read off the figure, seconds): shift up / down per model size.
+PAPER_SHIFTS = {"inference_up": (1.0, 9.0), "inference_down_max": 2.0,
+                "training_up": (2.0, 8.5), "training_down_max": 6.0}
+
+
+def bytes_of(dtype: str) -> int:
+    return 4 if dtype == "float32" else 2
+
+
+def inference_model(shape: ModelShape, dtype: str, tp: int, hw: Hardware) -> ThroughputModel:
+    b, mem = bytes_of(dtype), hw.eta_mem * hw.hbm_bps
+    kv_share = max(1.0 / tp, 1.0 / shape.num_kv_heads)
+    A = shape.kv_bytes_per_token(b) * kv_share / mem
+    B = shape.num_params() * b / tp / mem
+    C = 2.0 * shape.num_active_params() / tp / (hw.eta_flop * hw.bf16_flops)
+    D = hw.step_overhead_s + (2 * shape.num_layers * hw.allreduce_s if tp > 1 else 0.0)
+    return ThroughputModel(A, B, C, D)
+
+
+def train_seconds(shape: ModelShape, tokens: float, devices: int, hw: Hardware) -> float:
+    return 8.0 * shape.num_active_params() * tokens / (devices * hw.bf16_flops * hw.mfu_train)
+
+
+def inference_shift(shape: ModelShape, dtype: str, tp: int, hw: Hardware
+                    ) -> tuple[float, float]:
+    """(up, down) seconds of one inference replica."""
+    return hw.engine_wake_s + shape.num_params() * bytes_of(dtype) / tp / hw.pcie_bps, \
+        hw.engine_sleep_s
+
+
+def training_shift(shape: ModelShape, devices: int, tp: int, hw: Hardware
+                   ) -> tuple[float, float]:
+    """(up, down) seconds of the training role on `devices` GPUs at tensor parallel `tp`."""
+    n = shape.num_params()
+    states = 12.0 * n / devices / hw.pcie_bps       # fp32 master + Adam m, v: 12 B a param
+    return hw.train_wake_s + 2.0 * n / tp / hw.pcie_bps + states, hw.train_sleep_s + states
+
+
+def mean_length(median: int, sigma: float, cap: int) -> float:
+    """Mean of a log-normal length budget (median, sigma), at most `cap`."""
+    return min(float(cap), median * math.exp(sigma * sigma / 2.0))
+
+
+def describe(hw: Hardware) -> dict:
+    return asdict(hw)
