@@ -30,8 +30,7 @@ The efficiency factors and fixed seconds are assumptions, named and set in `Hard
 """
 from __future__ import annotations
 
-import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from pivotrl_hpc.gps.shapes import ModelShape
 from pivotrl_hpc.sched.model import ThroughputModel
@@ -98,12 +97,3 @@ def training_shift(shape: ModelShape, devices: int, tp: int, hw: Hardware
     n = shape.num_params()
     states = 12.0 * n / devices / hw.pcie_bps       # fp32 master + Adam m, v: 12 B a param
     return hw.train_wake_s + 2.0 * n / tp / hw.pcie_bps + states, hw.train_sleep_s + states
-
-
-def mean_length(median: int, sigma: float, cap: int) -> float:
-    """Mean of a log-normal length budget (median, sigma), at most `cap`."""
-    return min(float(cap), median * math.exp(sigma * sigma / 2.0))
-
-
-def describe(hw: Hardware) -> dict:
-    return asdict(hw)
