@@ -5,8 +5,9 @@ wall time instead of minutes.
 The same controller as a live run decides; only the devices are modeled. Costs come from the
 GPU's datasheet and the models' dimensions (`--hardware h20`, the default for a GPU config:
 sim/profile.py), from the config (throughput constants, tau_shift, `--train-seconds`; the
-default for a CPU config) or, with `--from-trace`, from what a live run measured. Disaggregated and rr_colocated get their best static split from
-the same search as `pivotrl bench e2e`. Prints one JSON object shaped like bench e2e's:
+default for a CPU config) or, with `--from-trace`, from what a live run measured.
+Disaggregated and rr_colocated get their best static split from the same search as
+`pivotrl bench e2e`. Prints one JSON object shaped like bench e2e's:
 {"<paradigm>": {"tokens_per_s", "seconds", "shifts", "idle_fraction", "split"},
  "speedup_vs": {...}, "constants": {...}}; `--out DIR` keeps every run's trace.
 """

@@ -140,10 +140,14 @@ class ModelShape:
         return total - experts + experts * self.num_experts_per_tok / self.num_experts
 
 
+def itemsize(dtype: str) -> int:
+    """Bytes of one element of a config `dtype` ("float32": 4, the 16-bit ones 2)."""
+    return 4 if dtype == "float32" else 2
+
+
 def kv_bytes(model_dir: str, dtype: str) -> int:
-    """KV cache bytes of one token of this model in `dtype` ("float32": 4 bytes, else 2)."""
-    return ModelShape.from_hf_config(model_dir).kv_bytes_per_token(
-        4 if dtype == "float32" else 2)
+    """KV cache bytes of one token of this model in `dtype`."""
+    return ModelShape.from_hf_config(model_dir).kv_bytes_per_token(itemsize(dtype))
 
 
 def kv_tokens(model_dir: str, kv_cache_mb: int, dtype: str) -> int:

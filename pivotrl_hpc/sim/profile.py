@@ -26,13 +26,14 @@ Per GPU of a replica of tensor-parallel degree `tp` (EP spreads the experts the 
   weights and Adam moments (12 bytes a parameter, sharded over the training GPUs) back from
   host memory; shift down = `train_sleep_s` + those 12 bytes a parameter out to the host.
 The efficiency factors and fixed seconds are assumptions, named and set in `Hardware`;
-`shift_table` prints the shift seconds beside the paper's Figure 12 for comparison.
+`PAPER_SHIFTS` holds the paper's Figure 12 ranges the derived shift seconds are tested
+against.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pivotrl_hpc.gps.shapes import ModelShape
+from pivotrl_hpc.gps.shapes import ModelShape, itemsize
 from pivotrl_hpc.sched.model import ThroughputModel
 
 
@@ -66,12 +67,8 @@ PAPER_SHIFTS = {"inference_up": (1.0, 9.0), "inference_down_max": 2.0,
                 "training_up": (2.0, 8.5), "training_down_max": 6.0}
 
 
-def bytes_of(dtype: str) -> int:
-    return 4 if dtype == "float32" else 2
-
-
 def inference_model(shape: ModelShape, dtype: str, tp: int, hw: Hardware) -> ThroughputModel:
-    b, mem = bytes_of(dtype), hw.eta_mem * hw.hbm_bps
+    b, mem = itemsize(dtype), hw.eta_mem * hw.hbm_bps
     kv_share = max(1.0 / tp, 1.0 / shape.num_kv_heads)
     A = shape.kv_bytes_per_token(b) * kv_share / mem
     B = shape.num_params() * b / tp / mem
@@ -87,7 +84,7 @@ def train_seconds(shape: ModelShape, tokens: float, devices: int, hw: Hardware) 
 def inference_shift(shape: ModelShape, dtype: str, tp: int, hw: Hardware
                     ) -> tuple[float, float]:
     """(up, down) seconds of one inference replica."""
-    return hw.engine_wake_s + shape.num_params() * bytes_of(dtype) / tp / hw.pcie_bps, \
+    return hw.engine_wake_s + shape.num_params() * itemsize(dtype) / tp / hw.pcie_bps, \
         hw.engine_sleep_s
 
 
