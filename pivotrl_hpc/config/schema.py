@@ -58,6 +58,9 @@ class RolesConfig:
     train_devices: int = 4
     train_tensor_parallel: int = 1
     kv_cache_mb: int = 16        # KV cache of one inference replica (fixes its capacity)
+    # Decode iterations per Step command: how often the controller hears from an inference
+    # replica (and can Dispatch into the slots its finished sequences left)
+    step_iterations: int = 4
 
 
 @dataclass

@@ -130,8 +130,9 @@ class RoleFlow:
         r = self.sched.replicas.get(replica)
         new, advanced = 0, set()
         for out in outputs:
-            if r is not None:
-                observe(r.n_seq, r.n_tok, out.seconds)
+            if r is not None:   # k iterations at once: their mean, at the middle one's tokens
+                k = out.iterations
+                observe(r.n_seq, r.n_tok + r.n_seq * (k - 1) // 2, out.seconds / k)
             done = {f.seq_id for f in out.finished}
             for p in out.progress:
                 sid = int(p.seq_id)

@@ -50,6 +50,7 @@ def loop_config(cfg: Config) -> LoopConfig:
         training_devices=tuple(range(r.train_devices)), steps=cfg.rl.steps,
         planner_interval_s=cfg.paradigm.planner_interval_s,
         log_interval_s=cfg.trace.log_interval_s, eval_every=cfg.rl.eval_every,
+        step_iterations=r.step_iterations,
         ignore_eos_judge=cfg.workload.length_mode == "budget")
 
 

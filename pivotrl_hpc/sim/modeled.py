@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 
 from pivotrl_hpc.controller.clock import VirtualClock
@@ -22,9 +23,24 @@ from pivotrl_hpc.runtime.messages import (Abort, AddSequences, Command, QuerySta
 from pivotrl_hpc.sched.model import ThroughputModel
 
 
-def token_at(seq_id: str, position: int, vocab: int) -> int:
-    digest = hashlib.blake2b(f"{seq_id}:{position}".encode(), digest_size=4).digest()
-    return int.from_bytes(digest, "little") % vocab
+_MASK, _GOLDEN, _MIX = (1 << 64) - 1, 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9
+
+
+@lru_cache(maxsize=1 << 16)
+def _seed(seq_id: str) -> int:
+    return int.from_bytes(hashlib.blake2b(seq_id.encode(), digest_size=8).digest(), "little")
+
+
+def tokens_at(seq_id: str, start: int, n: int, vocab: int) -> list[int]:
+    """The tokens of `seq_id` at positions start..start+n-1: a pure function of the sequence
+    and the position (one hash of the id, then splitmix64's first rounds per position)."""
+    s = _seed(seq_id)
+    return [_mix((s + p * _GOLDEN) & _MASK) % vocab for p in range(start, start + n)]
+
+
+def _mix(z: int) -> int:
+    z = ((z ^ (z >> 30)) * _MIX) & _MASK
+    return z ^ (z >> 27)
 
 
 @dataclass
@@ -86,13 +102,17 @@ class ModeledWorker:
         self._due.append((self._free_at, reply))
 
     def poll(self) -> list[Reply]:
-        now = self.clock.now()
-        out = [r for t, r in self._due if t <= now]
-        self._due = [(t, r) for t, r in self._due if t > now]
+        # due times only grow (one command at a time, each after the last): a prefix is due
+        now, due = self.clock.now(), self._due
+        n = 0
+        while n < len(due) and due[n][0] <= now:
+            n += 1
+        out = [r for _, r in due[:n]]
+        del due[:n]
         return out
 
     def next_reply_time(self) -> float | None:
-        return min((t for t, _ in self._due), default=None)
+        return self._due[0][0] if self._due else None
 
     # --- commands ------------------------------------------------------------------------
     def _run(self, cmd: Command):
@@ -114,7 +134,11 @@ class ModeledWorker:
                                            s.sampling)
             return len(cmd.seqs), 0.0
         if isinstance(cmd, Step):
-            outs = [self._iteration(i == 0) for i in range(cmd.iterations)]
+            outs, left = [], cmd.iterations
+            while left > 0:
+                out = self._iterations(left, first=not outs)
+                outs.append(out)
+                left -= out.iterations
             return outs, sum(o.seconds for o in outs)
         if isinstance(cmd, Abort):
             return self._abort(cmd.seq_ids), 0.0
@@ -150,24 +174,32 @@ class ModeledWorker:
             (folder / POLICY / "version").write_text(f"{cmd.version}\n")
         return {"rank": self.device, "optim_bytes": 0}
 
-    def _iteration(self, first: bool = True) -> StepOutput:
+    def _iterations(self, most: int, first: bool = True) -> StepOutput:
+        """Up to `most` decode iterations as one output: as many as pass before a sequence
+        finishes (its finish ends the block), so the per-token work is done per sequence.
+        Each iteration takes the model's latency at its own token count; with `late_finish`
+        (tests) one iteration at a time, as the engine reports."""
         model = self.models["policy" if self.role == RoleKind.ROLLOUT else "genrm"]
+        live = [(sid, s) for sid, s in self.seqs.items() if s.remaining > 0]
+        k = 1 if self.late_finish or not live else min(most, min(s.remaining for _, s in live))
+        n_seq = len(self.seqs)
         n_tok = sum(len(s.prompt) + len(s.generated) for s in self.seqs.values())
-        seconds = self.slowdown * model.latency(len(self.seqs), n_tok) if self.seqs else 0.0
+        # iteration i sees n_tok + i * (sequences still generating) tokens
+        seconds = self.slowdown * sum(model.latency(n_seq, n_tok + i * len(live))
+                                      for i in range(k)) if self.seqs else 0.0
         progress, finished = [], []
-        for sid, s in list(self.seqs.items()):
-            if s.remaining <= 0:  # late_finish: reported by the Step after its last token
-                if first:
-                    finished.append(self._finished(sid))
-                continue
-            tok = token_at(sid, len(s.generated), self.vocab)
-            s.generated.append(tok)
-            s.logprobs.append(-1.0)
-            s.remaining -= 1
-            progress.append(SeqProgress(sid, [tok], [-1.0]))
+        if first and self.late_finish:  # reported by the Step after its last token
+            finished += [self._finished(sid) for sid, s in list(self.seqs.items())
+                         if s.remaining <= 0]
+        for sid, s in live:
+            toks = tokens_at(sid, len(s.generated), k, self.vocab)
+            s.generated += toks
+            s.logprobs += [-1.0] * k
+            s.remaining -= k
+            progress.append(SeqProgress(sid, toks, [-1.0] * k))
             if s.remaining <= 0 and not self.late_finish:
                 finished.append(self._finished(sid))
-        return StepOutput(progress, finished, seconds)
+        return StepOutput(progress, finished, seconds, k)
 
     def _finished(self, sid: str) -> FinishedSequence:
         s = self.seqs.pop(sid)

@@ -92,11 +92,14 @@ class StepOutput:
 
     `progress` holds every sequence that emitted tokens this step, finished ones included,
     so that throughput accounting can sum `num_new_tokens` without double counting.
+    `iterations` > 1 only from the simulator's modeled engine: that many iterations over
+    the same sequences, none finishing before the last, `seconds` their sum.
     """
 
     progress: list[SeqProgress]
     finished: list[FinishedSequence]
     seconds: float
+    iterations: int = 1
 
     @property
     def num_new_tokens(self) -> int:

@@ -1,0 +1,89 @@
+"""The modeled engine's Step: iterations taken in blocks that end where a sequence finishes
+(sim/modeled.py), equal to one iteration at a time in tokens and in virtual seconds, and the
+online fit fed the blocks' means (controller/flow.py)."""
+from __future__ import annotations
+
+import pytest
+
+from pivotrl_hpc.controller.clock import VirtualClock
+from pivotrl_hpc.engines.vllm.types import Sampling, StepOutput
+from pivotrl_hpc.runtime.messages import AddSequences, RoleKind, SeqRequest, ShiftUp, Step
+from pivotrl_hpc.sched.model import ThroughputModel
+from pivotrl_hpc.sim.modeled import ModeledStore, ModeledWorker, tokens_at
+
+MODEL = ThroughputModel(A=1e-3, B=0.01, C=0.004, D=0.002)
+
+
+def worker(budgets: dict[str, int], late_finish: bool = False) -> ModeledWorker:
+    clock = VirtualClock()
+    w = ModeledWorker(0, clock, ModeledStore(), {"policy": MODEL, "genrm": MODEL},
+                      {"rollout": 0.0}, {"rollout": 0.0}, late_finish=late_finish)
+    w.submit(ShiftUp(RoleKind.ROLLOUT))
+    w.submit(AddSequences(tuple(SeqRequest(sid, (1, 2, 3), (), (), n, Sampling())
+                                for sid, n in budgets.items())))
+    clock.wait_until(w.next_reply_time())
+    w.poll()
+    return w
+
+
+def step(w: ModeledWorker, iterations: int) -> list[StepOutput]:
+    w.submit(Step(iterations))
+    w.clock.wait_until(w.next_reply_time())
+    (reply,) = w.poll()
+    return reply.result
+
+
+def test_a_step_is_cut_into_blocks_at_each_finish_with_the_per_iteration_seconds():
+    outs = step(worker({"a": 3, "b": 10}), 8)
+    assert [o.iterations for o in outs] == [3, 5]
+    assert [f.seq_id for f in outs[0].finished] == ["a"] and outs[1].finished == []
+    # iteration i: both sequences (then b alone), 3 prompt tokens each + what they generated
+    by_hand = [MODEL.latency(2, 6 + 2 * i) for i in range(3)] + \
+              [MODEL.latency(1, 3 + 3 + i) for i in range(5)]
+    assert sum(o.seconds for o in outs) == pytest.approx(sum(by_hand), rel=1e-12)
+    assert outs[0].seconds == pytest.approx(sum(by_hand[:3]), rel=1e-12)
+    b = [t for o in outs for p in o.progress if p.seq_id == "b" for t in p.token_ids]
+    assert b == tokens_at("b", 0, 8, 64)
+    assert outs[0].finished[0].token_ids == tokens_at("a", 0, 3, 64)
+
+
+def test_blocks_equal_one_iteration_at_a_time():
+    """A Step of 8 against eight Steps of 1: the same tokens and the same virtual time."""
+    budgets = {"a": 3, "b": 10, "c": 5}
+    w8, w1 = worker(budgets), worker(budgets)
+    many = step(w8, 8)
+    ones = [o for _ in range(8) for o in step(w1, 1)]
+    assert all(o.iterations == 1 for o in ones)
+    assert sum(o.seconds for o in many) == pytest.approx(sum(o.seconds for o in ones))
+    assert w8.clock.now() == pytest.approx(w1.clock.now())
+    for sid in budgets:
+        assert [t for o in many for p in o.progress if p.seq_id == sid for t in p.token_ids] \
+            == [t for o in ones for p in o.progress if p.seq_id == sid for t in p.token_ids]
+    assert sorted(f.seq_id for o in many for f in o.finished) == \
+        sorted(f.seq_id for o in ones for f in o.finished) == ["a", "c"]
+
+
+def test_a_late_finish_engine_steps_one_iteration_at_a_time():
+    w = worker({"a": 2, "b": 6}, late_finish=True)
+    outs = step(w, 4)
+    assert [o.iterations for o in outs] == [1, 1, 1, 1]
+    assert all(o.finished == [] for o in outs)          # a's finish comes a Step late
+    assert [f.seq_id for f in step(w, 1)[0].finished] == ["a"]
+
+
+def test_the_fit_gets_each_blocks_mean_at_its_middle_token_count():
+    from pivotrl_hpc.controller.flow import RoleFlow, SeqRecord
+    from pivotrl_hpc.sched.scheduler import Scheduler
+    from pivotrl_hpc.sched.state import Replica
+
+    flow = RoleFlow("rollout", Scheduler(MODEL), lambda rec, now: None, lambda *a: None)
+    flow.sched.add_replica(Replica("r0", 10_000))
+    for sid in (7, 8):
+        flow.submit(SeqRecord(sid, "rollout", (1, 2, 3), 10, Sampling()))
+    flow.sched.dispatch()
+    flow.place_ids("r0", [7, 8])
+    seen = []
+    out = StepOutput([], [], seconds=4 * 0.5, iterations=4)
+    flow.on_step("r0", [out], 0.0, lambda n, t, s: seen.append((n, t, s)), {7: 1, 8: 1})
+    # 2 sequences of 3 tokens; iterations at 6, 8, 10, 12 tokens: the middle is 9
+    assert seen == [(2, 9, 0.5)]
