@@ -7,7 +7,7 @@ from pivotrl_hpc.controller.loop import Controller, LoopConfig
 from pivotrl_hpc.controller.monitor import RoleModel
 from pivotrl_hpc.controller.policy import TauTracker
 from pivotrl_hpc.controller.rl import Lengths, PromptData, RLBook, Score
-from pivotrl_hpc.plan.policies import make_policy
+from pivotrl_hpc.plan.policies import PLANNERS, make_policy
 from pivotrl_hpc.plan.types import ReplicaSpec, ShiftPlan
 from pivotrl_hpc.sched.model import ThroughputModel
 from pivotrl_hpc.sim.modeled import ModeledStore, ModeledWorker
@@ -52,8 +52,8 @@ def make_controller(paradigm="shiftable", gpus=8, train=(0, 1, 2, 3), steps=3, k
                      planner_interval_s=0.5, log_interval_s=1.0, eval_every=eval_every)
     models = {"rollout": RoleModel(POLICY, True), "reward": RoleModel(GENRM, True)}
     tau = TauTracker(dict(tau or {"rollout": 0.8, "reward": 0.9, "training": 1.2}))
-    policy = make_policy(paradigm, params or ({"tau_shift": dict(tau.tau)} if paradigm in (
-        "shiftable", "vanilla") else {}))
+    policy = make_policy(paradigm, params or ({"tau_shift": dict(tau.tau)} if paradigm in PLANNERS
+        else {}))
     tau.attach(policy)
     ctl = Controller(cfg, clock, Devices(workers, clock.now), policy, book, ToyTask(), models, tau,
                      trace, validation=prompts(8)[:4], bootstrap=bootstrap)

@@ -39,7 +39,8 @@ class Rows:
 
 
 @pytest.mark.parametrize("paradigm", ["colocated", "disaggregated", "rr_colocated",
-                                      "shiftable", "static", "rule_based", "vanilla"])
+                                      "shiftable", "static", "rule_based", "vanilla",
+                                      "vanilla_tm"])
 def test_every_paradigm_trains_every_admitted_sample(paradigm):
     ctl, workers, summary = run(paradigm)
     assert summary["steps"] == 3
@@ -51,6 +52,20 @@ def test_every_paradigm_trains_every_admitted_sample(paradigm):
     assert summary["max_lag"] <= k
     for w in workers:  # every worker got Shutdown, last
         assert w.log[-1] == "Shutdown"
+
+
+@pytest.mark.parametrize("paradigm, migrates", [("shiftable", True), ("vanilla", False),
+                                                ("vanilla_tm", False)])
+def test_only_the_full_planner_migrates_on_shift_up(paradigm, migrates):
+    """Figure 11's components: vanilla and vanilla + throughput model run without shift-up
+    migration (the executor's, not only the planner's estimate of it)."""
+    trace = Rows()
+    _, workers, _ = run(paradigm, trace=trace, steps=6)
+    # a shift-up migration aborts its sequences on their running source replica (a shift
+    # down's sequences come back with its reply instead); no preemption on this workload
+    assert not any(r["event"] == "preempt" for r in trace.rows["sequences"])
+    aborts = sum(w.log.count("Abort") for w in workers)
+    assert (aborts > 0) == migrates, aborts
 
 
 def test_sequences_finish_exactly_once_and_resume_their_tokens():

@@ -12,7 +12,7 @@ from pivotrl_hpc.controller.executor import (MIGRATE, SHIFT_DOWN, SHIFT_UP, Plan
                                              ReplicaInfo, check_plan, migration_actions,
                                              plan_actions)
 from pivotrl_hpc.controller.policy import TauTracker, make_paradigm_policy, policy_params
-from pivotrl_hpc.plan.policies import POLICIES
+from pivotrl_hpc.plan.policies import PLANNERS, POLICIES
 from pivotrl_hpc.plan.snapshot import WorkloadSnapshot
 from pivotrl_hpc.plan.types import ReplicaSpec, ShiftPlan
 from pivotrl_hpc.sched.scheduler import Scheduler
@@ -106,7 +106,7 @@ def test_every_paradigm_name_maps_to_its_policy(name):
     policy = make_paradigm_policy(cfg)
     assert policy.name == name
     params = policy_params(cfg)
-    if name in ("shiftable", "vanilla"):
+    if name in PLANNERS:
         assert policy.params.tau_shift == {"rollout": 3.0, "reward": 4.0, "training": 7.0}
         assert policy.params.horizon_s == 42.0
     if name == "rule_based":

@@ -8,7 +8,7 @@ import pytest
 
 from pivotrl_hpc.plan import (POLICIES, TRAINING_ID, ColocatedPolicy, DisaggregatedPolicy,
                               PivotPlanner, RRColocatedPolicy, RuleBasedPolicy, StaticPolicy,
-                              VanillaPlanner, WorkloadSnapshot, make_policy)
+                              VanillaPlanner, VanillaTMPlanner, WorkloadSnapshot, make_policy)
 
 FIG8 = Path(__file__).resolve().parents[1] / "examples" / "figure8_snapshot.json"
 
@@ -23,7 +23,8 @@ def snap_from(edit=None) -> WorkloadSnapshot:
 def test_factory_knows_every_paradigm():
     kinds = {"colocated": ColocatedPolicy, "disaggregated": DisaggregatedPolicy,
              "rr_colocated": RRColocatedPolicy, "shiftable": PivotPlanner,
-             "static": StaticPolicy, "rule_based": RuleBasedPolicy, "vanilla": VanillaPlanner}
+             "static": StaticPolicy, "rule_based": RuleBasedPolicy, "vanilla": VanillaPlanner,
+             "vanilla_tm": VanillaTMPlanner}
     assert set(POLICIES) == set(kinds)
     params = {"disaggregated": {"rollout_gpus": 8, "reward_gpus": 16}}
     for name, cls in kinds.items():

@@ -87,6 +87,7 @@ def main(args: argparse.Namespace) -> int:
 
 def _main(args: argparse.Namespace) -> int:
     from pivotrl_hpc.config import ConfigError
+    from pivotrl_hpc.plan.policies import POLICIES
 
     try:
         cfg, stood_in = _load(args, args.overrides)
@@ -94,7 +95,7 @@ def _main(args: argparse.Namespace) -> int:
         print(f"pivotrl simulate: {e}", file=sys.stderr)
         return 2
     names = PARADIGMS if args.paradigms == "all" else tuple(args.paradigms.split(","))
-    unknown = [n for n in names if n not in PARADIGMS + ("static", "rule_based", "vanilla")]
+    unknown = [n for n in names if n not in POLICIES]
     if unknown:
         print(f"pivotrl simulate: unknown paradigm(s) {', '.join(unknown)}", file=sys.stderr)
         return 2

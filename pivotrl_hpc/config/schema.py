@@ -10,7 +10,7 @@ from typing import Literal
 
 DeviceKind = Literal["cpu", "gpu"]
 Paradigm = Literal["colocated", "disaggregated", "rr_colocated", "shiftable",
-                   "static", "rule_based", "vanilla"]
+                   "static", "rule_based", "vanilla", "vanilla_tm"]
 Transport = Literal["nixl", "mpi"]
 DType = Literal["float32", "bfloat16", "float16"]
 

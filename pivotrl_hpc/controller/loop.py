@@ -69,8 +69,10 @@ class Controller:
         self.flows = {role: RoleFlow(role, Scheduler(models[role].model), self._finished,
                                      self._seq_event) for role in GEN_ROLES}
         self.training = TrainingUnit(tuple(cfg.training_devices))
+        # the planner's ablations without migration run without it, not only plan so
+        migrate = getattr(getattr(policy, "params", None), "migrate", True)
         self.executor = Executor(devices, self.flows, self.training, cfg.kv_capacity, tau,
-                                 self.trace, clock.now, self._event)
+                                 self.trace, clock.now, self._event, migrate)
         self.report = Reporter(self, self.trace)
         self.step = 0                       # next step to train
         self._plan_at = 0.0

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from pivotrl_hpc.plan.policies import make_policy
+from pivotrl_hpc.plan.policies import PLANNERS, make_policy
 from pivotrl_hpc.plan.types import AllocationPolicy
 
 if TYPE_CHECKING:  # the config package loads YAML: keep the loop importable without it
@@ -28,7 +28,7 @@ def initial_tau(cfg: Config) -> dict[str, float]:
 def policy_params(cfg: Config) -> dict[str, Any]:
     """The plain parameters `plan.make_policy` takes for the configured paradigm."""
     p = cfg.paradigm
-    if p.name in ("shiftable", "vanilla"):
+    if p.name in PLANNERS:
         return {"horizon_s": p.horizon_s, "tau_shift": initial_tau(cfg)}
     if p.name == "rule_based":
         return {"high": p.rule_high_kv, "low": p.rule_low_kv}

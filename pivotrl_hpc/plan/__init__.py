@@ -6,7 +6,7 @@ from pivotrl_hpc.plan.pairs import ShiftPair, prepare_shift_pairs, select_shift_
 from pivotrl_hpc.plan.planner import CandidateEval, PivotPlanner, PlannerParams, PlanReport
 from pivotrl_hpc.plan.policies import (POLICIES, ColocatedPolicy, DisaggregatedPolicy,
                                        RRColocatedPolicy, RuleBasedPolicy, StaticPolicy,
-                                       VanillaPlanner, make_policy)
+                                       VanillaPlanner, VanillaTMPlanner, make_policy)
 from pivotrl_hpc.plan.snapshot import (GEN_ROLES, REWARD, ROLLOUT, TRAINING, TRAINING_ID,
                                        ReplicaState, RolePool, SeqState, SnapshotError,
                                        TrainingState, WorkloadSnapshot)
@@ -18,7 +18,7 @@ __all__ = [
     "Estimate", "GEN_ROLES", "MigrationSimulator", "POLICIES", "PivotPlanner", "PlanReport",
     "PlannerParams", "REWARD", "ROLLOUT", "RRColocatedPolicy", "ReplicaSpec", "ReplicaState",
     "RolePool", "RuleBasedPolicy", "SeqState", "ShiftPair", "ShiftPlan", "SnapshotError",
-    "StaticPolicy", "TRAINING", "TRAINING_ID", "TrainingState", "VanillaPlanner",
+    "StaticPolicy", "TRAINING", "TRAINING_ID", "TrainingState", "VanillaPlanner", "VanillaTMPlanner",
     "WorkloadSnapshot", "construct_candidates", "harmonic_throughput", "make_policy",
     "prepare_shift_pairs", "select_shift_up_role", "synthetic_snapshot",
 ]

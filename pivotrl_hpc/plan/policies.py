@@ -64,14 +64,23 @@ def _non_training(snap: WorkloadSnapshot) -> list[int]:
 
 class VanillaPlanner(PivotPlanner):
     """The planner without throughput model (T_i = 1 if a replica runs anything, else 0)
-    and without shift-up migration."""
+    and without shift-up migration (Figure 11, "Vanilla")."""
 
     name = "vanilla"
+    binary_throughput = True
 
     def __init__(self, params: PlannerParams | None = None, **parallel: Any) -> None:
         p = params or PlannerParams()
         super().__init__(PlannerParams(p.horizon_s, dict(p.tau_shift), migrate=False,
-                                       binary_throughput=True), **parallel)
+                                       binary_throughput=self.binary_throughput), **parallel)
+
+
+class VanillaTMPlanner(VanillaPlanner):
+    """The planner with the throughput model but without shift-up migration (Figure 11,
+    "Vanilla + Throughput Model"): between vanilla and the full planner."""
+
+    name = "vanilla_tm"
+    binary_throughput = False
 
 
 @dataclass
@@ -202,20 +211,22 @@ class RRColocatedPolicy:
         return allocation_plan(snap, target, True, f"rollout-reward pool serves {stage}")
 
 
+PLANNERS = ("shiftable", "vanilla", "vanilla_tm")   # the planner and its two ablations
 POLICIES = ("colocated", "disaggregated", "rr_colocated", "shiftable", "static",
-            "rule_based", "vanilla")
+            "rule_based", "vanilla", "vanilla_tm")
 
 
 def make_policy(name: str, params: Mapping[str, Any] | None = None) -> AllocationPolicy:
     """Build a policy from the config's paradigm name and its plain parameters."""
     p = dict(params or {})
     planner_keys = {"horizon_s", "tau_shift"}
-    if name in ("shiftable", "vanilla"):
+    if name in PLANNERS:
         unknown = set(p) - planner_keys
         if unknown:
             raise ValueError(f"policy {name}: unknown parameters {sorted(unknown)}")
-        pp = PlannerParams(**p)
-        return PivotPlanner(pp) if name == "shiftable" else VanillaPlanner(pp)
+        planner = {"shiftable": PivotPlanner, "vanilla": VanillaPlanner,
+                   "vanilla_tm": VanillaTMPlanner}[name]
+        return planner(PlannerParams(**p))
     factories = {"static": StaticPolicy, "rule_based": RuleBasedPolicy,
                  "colocated": ColocatedPolicy, "disaggregated": DisaggregatedPolicy,
                  "rr_colocated": RRColocatedPolicy}
