@@ -9,16 +9,20 @@ import numpy as np
 PNGS = ("allocation.png", "low_throughput.png", "steps.png", "shift_phases.png")
 
 
+def check_png(path: Path) -> None:
+    """More than a blank canvas: over 5 KB and more than two colours."""
+    from PIL import Image
+
+    assert path.stat().st_size > 5_000, path.name
+    pixels = np.asarray(Image.open(path).convert("RGB")).reshape(-1, 3)
+    assert len(np.unique(pixels, axis=0)) > 2, f"{path.name} is one colour"
+
+
 def check_report(out: Path, n_devices: int) -> dict:
     """Non-trivial PNGs, a Chrome trace with one track per device whose slices nest; returns
     the parsed Perfetto JSON."""
-    from PIL import Image
-
     for name in PNGS:
-        path = out / name
-        assert path.stat().st_size > 5_000, name
-        pixels = np.asarray(Image.open(path).convert("RGB")).reshape(-1, 3)
-        assert len(np.unique(pixels, axis=0)) > 2, f"{name} is one colour"
+        check_png(out / name)
     chrome = json.loads((out / "timeline.perfetto.json").read_text())
     events = chrome["traceEvents"]
     tracks = {e["tid"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}

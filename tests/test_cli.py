@@ -31,6 +31,7 @@ HELP = {
     ("bench", "gpu"): ["--device", "--sizes-mb", "--train", "--repeats", "--no-nixl", "--json"],
     ("export",): ["RUN_OR_CHECKPOINT", "--out", "--force", "--json"],
     ("simulate",): ["config", "--paradigms", "--from-trace", "--train-seconds", "--out"],
+    ("reproduce",): ["--out", "--only", "--quick", "--steps", "--seeds", "--jobs"],
     ("report",): ["trace", "--out"],
     ("profile",): ["throughput", "links"],
     ("profile", "throughput"): ["--model", "--out", "--role", "--seqs", "--prompt-lens"],

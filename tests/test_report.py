@@ -97,8 +97,10 @@ def test_summary_numbers_by_hand(trace):
                                      "shift": 38.0, "idle": 12.0}
     # rollout held devices in the rows of 20..50 s: below 20 % of peak in the 50 s row
     assert low_throughput_fraction(ts, "rollout") == pytest.approx(10 / 40)
+    # training held devices over 60..100 s (its rows of 70..100) and ran its steps over
+    # 60..80 and 80..95: idle 5 of 40 s
     assert num["low_throughput_fraction"] == {"rollout": pytest.approx(0.25), "reward": 0.0,
-                                              "training": None}
+                                              "training": pytest.approx(5 / 40)}
     table = markdown(num)
     assert "| tokens_per_s | 10.00 |" in table and "| up rollout | 2 | 8.00 |" in table
     assert "| reward | 190.0 | 0.00 |" in table and "| rollout | 80.0 | 0.25 |" in table

@@ -27,6 +27,8 @@ COMMANDS: tuple[Command, ...] = (
     Command("submit", "pivotrl_hpc.cli.submit", "submit an RL job to Slurm with submitit"),
     Command("simulate", "pivotrl_hpc.cli.simulate",
             "the job on modeled devices in virtual time, paradigm vs paradigm"),
+    Command("reproduce", "pivotrl_hpc.cli.reproduce",
+            "the paper's evaluation on the simulator: figures as JSON and PNG"),
     Command("report", "pivotrl_hpc.cli.report",
             "turn an HDF5 trace into figures, a summary and a Perfetto timeline"),
     Command("export", "pivotrl_hpc.cli.export",

@@ -98,6 +98,7 @@ class Controller:
                 self.maybe_train()
                 self.monitor()
                 self.clock.wait_until(self.next_event())
+            self.report.tick(self.clock.now(), last=True)
             ok = True
             summary = self.report.summary()
             if self.stop_reason is not None:

@@ -118,8 +118,10 @@ class Reporter:
                           message=f"validation after step {step}: accuracy {accuracy:.3f}")
 
     # --- periodic ----------------------------------------------------------------------
-    def tick(self, now: float) -> None:
-        if now < self.next_tick:
+    def tick(self, now: float, last: bool = False) -> None:
+        """A timeseries row per role at every interval; `last`: the run's final, partial
+        interval too, so the rows cover the whole run."""
+        if now < self.next_tick and not (last and now > self._last_t):
             return
         dt = max(now - self._last_t, 1e-9)
         ctl = self.ctl

@@ -18,7 +18,7 @@ __all__ = [
     "Estimate", "GEN_ROLES", "MigrationSimulator", "POLICIES", "PivotPlanner", "PlanReport",
     "PlannerParams", "REWARD", "ROLLOUT", "RRColocatedPolicy", "ReplicaSpec", "ReplicaState",
     "RolePool", "RuleBasedPolicy", "SeqState", "ShiftPair", "ShiftPlan", "SnapshotError",
-    "StaticPolicy", "TRAINING", "TRAINING_ID", "TrainingState", "VanillaPlanner", "VanillaTMPlanner",
-    "WorkloadSnapshot", "construct_candidates", "harmonic_throughput", "make_policy",
+    "StaticPolicy", "TRAINING", "TRAINING_ID", "TrainingState", "VanillaPlanner",
+    "VanillaTMPlanner", "WorkloadSnapshot", "construct_candidates", "harmonic_throughput", "make_policy",
     "prepare_shift_pairs", "select_shift_up_role", "synthetic_snapshot",
 ]

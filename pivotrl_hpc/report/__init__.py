@@ -18,8 +18,8 @@ import numpy as np
 
 from pivotrl_hpc.report import figures
 from pivotrl_hpc.report.perfetto import chrome_trace
-from pivotrl_hpc.report.timeline import (ROLES, device_spans, low_throughput_fraction,
-                                         seconds_by_role, shift_phase_means)
+from pivotrl_hpc.report.timeline import (device_spans, low_fractions, seconds_by_role,
+                                         shift_phase_means)
 
 __all__ = ["write_report", "numbers", "markdown"]
 
@@ -59,7 +59,7 @@ def _analyse(t) -> tuple[dict, list]:
         "max_lag": int(steps["max_lag"].max()) if len(steps["t"]) else None,
         "shifts": shift_phase_means(shifts),
         "device_seconds": dict(sorted(seconds_by_role(spans).items())),
-        "low_throughput_fraction": {r: low_throughput_fraction(ts, r) for r in ROLES},
+        "low_throughput_fraction": low_fractions(ts, steps),
     }, spans
 
 

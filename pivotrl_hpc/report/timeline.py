@@ -102,6 +102,31 @@ def low_throughput_fraction(ts: dict[str, np.ndarray], role: str,
     return float(dt[held & (per_device < low * peak)].sum() / total) if total > 0 else None
 
 
+def training_idle_fraction(ts: dict[str, np.ndarray], steps: dict[str, np.ndarray]
+                           ) -> float | None:
+    """Figure 3 for training, whose tokens all land when a step ends: the fraction of the
+    time it held devices (its `timeseries` rows) during which no step ran (the `steps`
+    rows: each ran for `seconds` up to `t`). None if it never held a device."""
+    r = role_series(ts, "training")
+    if len(r["t"]) < 2:
+        return None
+    lo, hi, held = r["t"][:-1], r["t"][1:], r["devices"][1:] > 0
+    total = float((hi - lo)[held].sum())
+    if total <= 0:
+        return None
+    busy = sum(float(np.clip(np.minimum(hi, end) - np.maximum(lo, end - s), 0, None)[held].sum())
+               for end, s in zip(steps["t"], steps["seconds"]))
+    return max(0.0, 1.0 - busy / total)
+
+
+def low_fractions(ts: dict[str, np.ndarray], steps: dict[str, np.ndarray]
+                  ) -> dict[str, float | None]:
+    """Figure 3's fraction for each role."""
+    return {"rollout": low_throughput_fraction(ts, "rollout"),
+            "reward": low_throughput_fraction(ts, "reward"),
+            "training": training_idle_fraction(ts, steps)}
+
+
 def group_of(phase: str, phases) -> str | None:
     """The group `X` whose `X.total` is among `phases` and of which `phase` is a part
     (`X.<part>`), else None. Groups are the worker's nested phases (runtime/context.py)."""

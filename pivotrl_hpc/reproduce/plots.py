@@ -1,0 +1,111 @@
+"""PNGs of the reproduced figures, ours beside the paper's (matplotlib, Agg)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from pivotrl_hpc.report.figures import COLORS, _plt
+
+OURS, PAPER = "#1f77b4", "#bbbbbb"
+
+
+def _pairs(ax, labels, ours, published, ylabel: str, title: str) -> None:
+    """Bars of ours beside the paper's for each label (a missing paper value: no bar)."""
+    x = np.arange(len(labels))
+    ax.bar(x - 0.2, ours, 0.4, color=OURS, label="simulated")
+    ax.bar(x + 0.2, [np.nan if v is None else v for v in published], 0.4, color=PAPER,
+           label="paper")
+    ax.set_xticks(x, labels, rotation=20, fontsize=7)
+    ax.set_ylabel(ylabel, fontsize=8)
+    ax.set_title(title, fontsize=8)
+    ax.axhline(1.0, color="black", lw=0.5)
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    _plt().close(fig)
+    return path
+
+
+def _per_group(result: dict, path: Path, key: str, paper_key: str, ylabel: str,
+               title: str, width: float) -> Path:
+    """One panel a group: ours beside the paper's for every entry of `key`."""
+    plt = _plt()
+    fig, axes = plt.subplots(1, len(result), figsize=(width * len(result), 3.2), squeeze=False)
+    for ax, g in zip(axes[0], result.values()):
+        names = list(g[key])
+        _pairs(ax, names, [g[key][p] for p in names], [g[paper_key].get(p) for p in names],
+               ylabel, g["title"])
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    return _save(fig, path)
+
+
+def fig9(result: dict, path: Path) -> Path:
+    return _per_group(result, path, "speedup_vs", "paper_speedup_vs", "shiftable / baseline",
+                      "Figure 9: PivotRL's speed-up over each baseline", 3.2)
+
+
+def fig11(result: dict, path: Path) -> Path:
+    return _per_group(result, path, "over_disaggregated", "paper_over_disaggregated",
+                      "tokens/s over disaggregated",
+                      "Figure 11: shift strategies and components", 4.2)
+
+
+def fig3(result: dict, path: Path) -> Path:
+    plt = _plt()
+    fractions = result["fraction_below_low"]
+    paradigms = list(fractions)
+    roles = ("rollout", "reward", "training")
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    x = np.arange(len(paradigms))
+    for i, role in enumerate(roles):
+        vals = [np.nan if fractions[p].get(role) is None else fractions[p][role]
+                for p in paradigms]
+        ax.bar(x + (i - 1) * 0.27, vals, 0.27, color=COLORS[role], label=role)
+    ax.set_xticks(x, paradigms, fontsize=8)
+    ax.set_ylim(0, 1)
+    ax.set_ylabel("fraction of time below 20 % of peak", fontsize=8)
+    ax.set_title(f"Figure 3: {result['title']} (simulated)", fontsize=9)
+    ax.legend(fontsize=7)
+    return _save(fig, path)
+
+
+def fig14(result: dict, path: Path) -> Path:
+    plt = _plt()
+    pts = result["points"]
+    hs = [p["H"] for p in pts]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(8, 3.2))
+    left.errorbar(hs, [p["tokens_per_s"] for p in pts], [p["std"] for p in pts],
+                  marker="o", color=OURS)
+    left.set_ylabel("tokens/s", fontsize=8)
+    right.plot(hs, [p["shifts_per_step"] for p in pts], marker="o", color=OURS)
+    right.set_ylabel("device shifts per step", fontsize=8)
+    for ax in (left, right):
+        ax.set_xscale("log")
+        ax.set_xlabel("H (s)", fontsize=8)
+    fig.suptitle(f"Figure 14: {result['title']} (simulated); paper: {result['paper']}",
+                 fontsize=7)
+    return _save(fig, path)
+
+
+def table2(result: dict, path: Path) -> Path:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    rows = result["rows"]
+    ax.plot([r["gpus"] for r in rows], [r["total_s"] for r in rows], "o-", color=OURS,
+            label="ours (synthetic snapshot)")
+    for (name, vals), c in zip(result["paper_total_s"].items(), ("#999999", "#555555")):
+        ax.plot(list(vals), list(vals.values()), "s--", color=c, label=f"paper {name}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("GPUs", fontsize=8)
+    ax.set_ylabel("planner seconds per decision", fontsize=8)
+    ax.legend(fontsize=6)
+    ax.set_title("Table 2: planner wall time", fontsize=9)
+    return _save(fig, path)
+
+
+PLOTS = {"fig9": fig9, "fig3": fig3, "fig11": fig11, "fig14": fig14, "table2": table2}

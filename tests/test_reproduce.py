@@ -1,0 +1,120 @@
+"""`pivotrl reproduce`: the paper's figures from the simulator, ours beside the paper's.
+
+At ~1 % of the paper's lengths (experiments.QUICK) on the smallest group, so the whole file
+takes seconds: the numbers are the runs' own, and every derived figure (means, ratios, the
+best split) is checked against the runs it came from."""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from report_util import check_png
+
+from pivotrl_hpc.reproduce import paper
+from pivotrl_hpc.reproduce.experiments import QUICK, Lab
+from pivotrl_hpc.reproduce.runs import Run, run_one
+
+ROOT = Path(__file__).resolve().parents[1]
+GROUP = "qwen2.5-1.5b_glm-z1-9b"
+SCALE = replace(QUICK, seeds=2, table2_gpus=(16,))
+
+
+@pytest.fixture(scope="module")
+def lab():
+    lab = Lab(ROOT / "configs", SCALE)
+    lab.fig9_result = lab.fig9((GROUP,))
+    return lab
+
+
+def test_paper_ratios_are_the_published_ones():
+    """Figure 9's labels (x1.84 x1.61 x1.97 for the 1.5B group, ...) from its bar values."""
+    labels = {"qwen2.5-1.5b_glm-z1-9b": (1.84, 1.61, 1.97),
+              "qwen2.5-7b_qwen3-30b-a3b": (1.98, 1.95, 1.61),
+              "qwen2.5-32b_qwen3-30b-a3b": (2.05, 1.50, 1.81),
+              "qwen2.5-72b_qwen3.5-122b-a10b": (1.81, 1.57, 1.66)}
+    for g, want in labels.items():
+        got = [paper.PAPER_SHIFT_RATIOS[p][g] for p in ("colocated", "disaggregated",
+                                                        "rr_colocated")]
+        assert got == pytest.approx(want, abs=0.006), g
+
+
+def test_fig9_means_ratios_and_split_come_from_its_runs(lab):
+    from pivotrl_hpc.cli.bench_e2e import candidates
+
+    g = lab.fig9_result[GROUP]
+    for p, ours in g["ours"].items():
+        assert len(ours["runs"]) == SCALE.seeds
+        assert ours["tokens_per_s"] == pytest.approx(statistics.fmean(ours["runs"]))
+        assert ours["std"] == pytest.approx(statistics.pstdev(ours["runs"]))
+    for p, ratio in g["speedup_vs"].items():
+        assert ratio == pytest.approx(g["ours"]["shiftable"]["tokens_per_s"]
+                                      / g["ours"][p]["tokens_per_s"])
+        assert g["paper_speedup_vs"][p] == pytest.approx(paper.PAPER_SHIFT_RATIOS[p][GROUP])
+    assert g["shiftable_beats_every_baseline"] == all(v > 1 for v in g["speedup_vs"].values())
+    # the disaggregated split is the best of the search's candidates on seed 0
+    ns = argparse.Namespace(config=lab.config(GROUP), overrides=list(SCALE.overrides))
+    options = candidates(ns, "disaggregated", check_files=False)
+    assert len(options) > 1 and g["ours"]["disaggregated"]["split"] in options
+    seed0 = {tuple(x): run_one(lab.run(GROUP, "disaggregated", 0, x)).figures["tokens_per_s"]
+             for x in options}
+    assert g["ours"]["disaggregated"]["runs"][0] == max(seed0.values())
+    assert seed0[tuple(g["ours"]["disaggregated"]["split"])] == max(seed0.values())
+
+
+def test_a_run_is_deterministic_and_its_seed_matters():
+    r = Run(str(ROOT / "configs" / f"{GROUP}.yaml"), "shiftable", 0,
+            (*SCALE.overrides, "rl.steps=1"))
+    a, b, c = run_one(r), run_one(r), run_one(replace(r, seed=1))
+    assert a.figures == b.figures
+    assert c.figures["tokens_per_s"] != a.figures["tokens_per_s"]
+
+
+def test_fig11_ratios_are_over_fig9s_disaggregated(lab):
+    out = lab.fig11((GROUP,))[GROUP]
+    base = out["disaggregated_tokens_per_s"]
+    assert base == pytest.approx(lab.fig9_result[GROUP]["ours"]["disaggregated"]["tokens_per_s"])
+    for p, ratio in out["over_disaggregated"].items():
+        assert ratio == pytest.approx(statistics.fmean(out["tokens_per_s"][p]) / base), p
+    assert out["paper_over_disaggregated"] == paper.FIG11[GROUP]
+    r = out["over_disaggregated"]
+    assert out["component_order_as_paper"] == (r["vanilla"] <= r["vanilla_tm"]
+                                               <= r["shiftable"])
+
+
+def test_fig3_fractions_are_fractions_of_every_role_held(lab):
+    fr = lab.fig3(GROUP)["fraction_below_low"]
+    assert set(fr) == {"colocated", "disaggregated", "rr_colocated", "shiftable"}
+    for p, roles in fr.items():
+        assert all(v is None or 0.0 <= v <= 1.0 for v in roles.values()), (p, roles)
+        assert roles["rollout"] is not None and roles["training"] is not None, (p, roles)
+
+
+def test_pivotrl_reproduce_writes_json_and_pngs(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "pivotrl_hpc.cli.main", "reproduce", "--quick",
+                        "--only", "table2,fig14", "--seeds", "1", "--jobs", "2",
+                        "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "Figure 14" in p.stdout and "Table 2" in p.stdout
+    everything = json.loads((tmp_path / "reproduce.json").read_text())
+    assert everything["settings"]["seeds"] == 1 and set(everything) >= {"fig14", "table2"}
+    fig14 = json.loads((tmp_path / "fig14.json").read_text())
+    assert [pt["H"] for pt in fig14["points"]] == list(QUICK.h_values)
+    assert all(pt["tokens_per_s"] > 0 and pt["std"] == 0.0 for pt in fig14["points"])
+    rows = json.loads((tmp_path / "table2.json").read_text())["rows"]
+    assert [r["gpus"] for r in rows] == list(QUICK.table2_gpus)
+    assert all(r["total_s"] > 0 and r["candidates"] > 0 for r in rows)
+    for name in ("fig14.png", "table2.png"):
+        check_png(tmp_path / name)
+
+
+def test_reproduce_refuses_an_unknown_figure(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "pivotrl_hpc.cli.main", "reproduce", "--only",
+                        "fig99", "--out", str(tmp_path)], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 2 and "unknown figure(s) fig99" in p.stderr
