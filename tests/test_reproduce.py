@@ -95,9 +95,26 @@ def test_fig3_fractions_are_fractions_of_every_role_held(lab):
         assert roles["rollout"] is not None and roles["training"] is not None, (p, roles)
 
 
+def test_fig13_replication_is_the_gps_plans_by_hand():
+    """Qwen2.5-7B in bf16 (15,231,233,024 bytes) written from one node (training TP=4) and
+    pulled by every other node over 50 GB/s IB: (nodes - 1) x bytes / IB, plus the plan's
+    20 us a transfer; the shift seconds are the profile's, whatever the GPU count."""
+    from pivotrl_hpc.sim.profile import H20
+
+    rows = Lab(ROOT / "configs", SCALE).fig13()["rows"]
+    size = 15_231_233_024
+    for r in rows:
+        others = r["nodes"] - 1
+        assert r["write_replication_bytes"] == others * size
+        assert r["write_replication_s"] == pytest.approx(others * (size / H20.ib_bps + 20e-6))
+        assert r["rollout"] == rows[0]["rollout"] and r["reward"] == rows[0]["reward"]
+    assert [r["nodes"] for r in rows] == [2, 4, 8, 16]
+    assert rows[0]["rollout"][0] == pytest.approx(H20.engine_wake_s + size / H20.pcie_bps)
+
+
 def test_pivotrl_reproduce_writes_json_and_pngs(tmp_path):
     p = subprocess.run([sys.executable, "-m", "pivotrl_hpc.cli.main", "reproduce", "--quick",
-                        "--only", "table2,fig14", "--seeds", "1", "--jobs", "2",
+                        "--only", "table2,fig13,fig14", "--seeds", "1", "--jobs", "2",
                         "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "Figure 14" in p.stdout and "Table 2" in p.stdout
@@ -109,7 +126,8 @@ def test_pivotrl_reproduce_writes_json_and_pngs(tmp_path):
     rows = json.loads((tmp_path / "table2.json").read_text())["rows"]
     assert [r["gpus"] for r in rows] == list(QUICK.table2_gpus)
     assert all(r["total_s"] > 0 and r["candidates"] > 0 for r in rows)
-    for name in ("fig14.png", "table2.png"):
+    assert len(json.loads((tmp_path / "fig13.json").read_text())["rows"]) == 4
+    for name in ("fig13.png", "fig14.png", "table2.png"):
         check_png(tmp_path / name)
 
 

@@ -2,7 +2,8 @@
 regenerated on the simulator, each figure as JSON and PNG beside the paper's values.
 
 Figures 9, 3, 11 and 14 simulate the paper configs (configs/qwen*.yaml) with constants
-derived from the H20's datasheet and the models' dimensions (sim/profile.py); Table 2 times
+derived from the H20's datasheet and the models' dimensions (sim/profile.py); Figure 13
+computes shift seconds and the GPS Write's replication plan by GPU count; Table 2 times
 the planner itself (reproduce/experiments.py says what each one runs). At the paper's
 lengths a run takes 20-60 s of wall time and the whole set a few hundred runs: `--jobs`
 spreads them over processes, `--quick` cuts the responses to ~1 % of the paper's lengths
@@ -19,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-FIGURES = ("fig9", "fig3", "fig11", "fig14", "table2")
+FIGURES = ("fig9", "fig3", "fig11", "fig13", "fig14", "table2")
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -114,6 +115,10 @@ def summary(results: dict, out: Path) -> str:
         lines.append("  Figure 14 (H: tokens/s, shifts/step): " + ", ".join(
             f"{p['H']:g}: {p['tokens_per_s']:.0f}, {p['shifts_per_step']:.1f}"
             for p in results["fig14"]["points"]))
+    if "fig13" in results:
+        lines.append("  Figure 13 (GPUs: rollout up s, Write replication s): " + ", ".join(
+            f"{r['gpus']}: {r['rollout'][0]:.2f}, {r['write_replication_s']:.2f}"
+            for r in results["fig13"]["rows"]))
     if "table2" in results:
         lines.append("  Table 2 (GPUs: planner s): " + ", ".join(
             f"{r['gpus']}: {r['total_s']:.3f}" for r in results["table2"]["rows"]))

@@ -8,6 +8,9 @@ paper's (reproduce/paper.py).
 - fig11: the shift strategies (static, rule_based) and components (vanilla, vanilla_tm)
   against fig9's disaggregated and shiftable, on the paper's two groups;
 - fig14: H from 0.01 to 600 on the 7B/30B group: throughput and shifts per step;
+- fig13: shift seconds of the 7B/30B group against GPU count (16 to 128): each role's
+  shift up and down from the profile, and the GPS Write's replication to every node as the
+  agents' plan moves it (gps.plan over the H20 cluster's IB links);
 - table2: the planner's wall time on synthetic snapshots, 16 to 1024 GPUs (bench planner).
 """
 from __future__ import annotations
@@ -147,6 +150,36 @@ class Lab:
                    "std": mean_std([r["tokens_per_s"] for r in rs])[1],
                    "shifts_per_step": _per_step(rs)} for h, rs in by_h.items()]
         return {"title": paper.TITLES[g], "points": points, "paper": paper.FIG14_TEXT}
+
+    # --- Figure 13 ----------------------------------------------------------------------
+    def fig13(self, g: str = FIG14_GROUP) -> dict:
+        import tempfile
+
+        from pivotrl_hpc.config import load_config
+        from pivotrl_hpc.gps.shapes import ModelShape, itemsize
+        from pivotrl_hpc.sim import profile as pf
+        from pivotrl_hpc.sim.standin import stand_in
+
+        with tempfile.TemporaryDirectory() as scratch:
+            cfg, _ = stand_in(load_config(self.config(g), check_files=False), Path(scratch))
+            pol, gen = cfg.models.policy, cfg.models.genrm
+            ps, gs = ModelShape.from_hf_config(pol.path), ModelShape.from_hf_config(gen.path)
+        hw, r = pf.H20, cfg.roles
+        rows = []
+        for gpus in paper.FIG13_TEXT["gpus"]:
+            nodes, train = max(1, gpus // 8), max(r.train_tensor_parallel, gpus // 4)
+            # the Write comes from the TP group of DP rank 0: the nodes it spans
+            writers = -(-r.train_tensor_parallel // cfg.cluster.devices_per_node)
+            rep_s, rep_bytes = pf.replication(ps.num_params() * itemsize(pol.dtype), nodes,
+                                              writers, hw)
+            rows.append({"gpus": gpus, "nodes": nodes,
+                         "rollout": pf.inference_shift(ps, pol.dtype, pol.tensor_parallel, hw),
+                         "reward": pf.inference_shift(gs, gen.dtype, gen.tensor_parallel, hw),
+                         "training": pf.training_shift(ps, train, r.train_tensor_parallel, hw),
+                         "write_replication_s": rep_s, "write_replication_bytes": rep_bytes})
+        return {"title": paper.TITLES[g], "rows": rows, "paper": paper.FIG13_TEXT,
+                "note": "(up, down) seconds per role; a shift up Reads the node-local "
+                        "replica, the Write's replication overlaps the next step (§5.1)"}
 
     # --- Table 2 -------------------------------------------------------------------------
     def table2(self) -> dict:

@@ -91,6 +91,29 @@ def fig14(result: dict, path: Path) -> Path:
     return _save(fig, path)
 
 
+def fig13(result: dict, path: Path) -> Path:
+    plt = _plt()
+    rows = result["rows"]
+    gpus = [r["gpus"] for r in rows]
+    fig, (up, down) = plt.subplots(1, 2, figsize=(8, 3.2))
+    for role in ("rollout", "reward", "training"):
+        up.plot(gpus, [r[role][0] for r in rows], "o-", color=COLORS[role], label=role)
+        down.plot(gpus, [r[role][1] for r in rows], "o-", color=COLORS[role], label=role)
+    up.plot(gpus, [r["write_replication_s"] for r in rows], "s--", color="black",
+            label="GPS Write replication")
+    for (lo, hi), c in zip(result["paper"]["shift_up_s"].values(), ("#999999", "#555555")):
+        up.axhspan(lo, hi, color=c, alpha=0.2)
+    down.axhline(result["paper"]["shift_down_s_below"], color="#999999", ls=":")
+    for ax, name in ((up, "shift up"), (down, "shift down")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("GPUs", fontsize=8)
+        ax.set_ylabel(f"{name} seconds", fontsize=8)
+    up.legend(fontsize=6)
+    fig.suptitle(f"Figure 13: {result['title']} (profile; bands and line: the paper's text)",
+                 fontsize=8)
+    return _save(fig, path)
+
+
 def table2(result: dict, path: Path) -> Path:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(5, 3.2))
@@ -108,4 +131,5 @@ def table2(result: dict, path: Path) -> Path:
     return _save(fig, path)
 
 
-PLOTS = {"fig9": fig9, "fig3": fig3, "fig11": fig11, "fig14": fig14, "table2": table2}
+PLOTS = {"fig9": fig9, "fig3": fig3, "fig11": fig11, "fig13": fig13, "fig14": fig14,
+         "table2": table2}

@@ -94,3 +94,16 @@ def training_shift(shape: ModelShape, devices: int, tp: int, hw: Hardware
     n = shape.num_params()
     states = 12.0 * n / devices / hw.pcie_bps       # fp32 master + Adam m, v: 12 B a param
     return hw.train_wake_s + 2.0 * n / tp / hw.pcie_bps + states, hw.train_sleep_s + states
+
+
+def replication(nbytes: int, nodes: int, writer_nodes: int, hw: Hardware
+                ) -> tuple[float, int]:
+    """One GPS Write replicated to every node, planned as the agents plan it (gps.plan):
+    the writers' nodes hold the version, every node needs all of it (replication-first, so
+    every later Read is node-local). The plan's makespan over the IB links, and its bytes."""
+    from pivotrl_hpc.gps.plan import LinkModel, assign, estimated_seconds, refine
+
+    links = LinkModel(local_bps=hw.pcie_bps, remote_bps=hw.ib_bps)
+    holders = {n: [(0, nbytes)] for n in range(min(writer_nodes, nodes))}
+    plan = assign(refine(holders, {n: [(0, nbytes)] for n in range(nodes)}), links)
+    return estimated_seconds(plan, links), sum(t.nbytes for t in plan)
