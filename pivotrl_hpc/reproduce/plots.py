@@ -73,29 +73,33 @@ def fig3(result: dict, path: Path) -> Path:
     return _save(fig, path)
 
 
+def _two_panels(xlabel: str, base: float):
+    """A figure of two panels side by side over one log x axis."""
+    fig, axes = _plt().subplots(1, 2, figsize=(8, 3.2))
+    for ax in axes:
+        ax.set_xscale("log", base=base)
+        ax.set_xlabel(xlabel, fontsize=8)
+    return fig, axes
+
+
 def fig14(result: dict, path: Path) -> Path:
-    plt = _plt()
     pts = result["points"]
     hs = [p["H"] for p in pts]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(8, 3.2))
+    fig, (left, right) = _two_panels("H (s)", 10)
     left.errorbar(hs, [p["tokens_per_s"] for p in pts], [p["std"] for p in pts],
                   marker="o", color=OURS)
     left.set_ylabel("tokens/s", fontsize=8)
     right.plot(hs, [p["shifts_per_step"] for p in pts], marker="o", color=OURS)
     right.set_ylabel("device shifts per step", fontsize=8)
-    for ax in (left, right):
-        ax.set_xscale("log")
-        ax.set_xlabel("H (s)", fontsize=8)
     fig.suptitle(f"Figure 14: {result['title']} (simulated); paper: {result['paper']}",
                  fontsize=7)
     return _save(fig, path)
 
 
 def fig13(result: dict, path: Path) -> Path:
-    plt = _plt()
     rows = result["rows"]
     gpus = [r["gpus"] for r in rows]
-    fig, (up, down) = plt.subplots(1, 2, figsize=(8, 3.2))
+    fig, (up, down) = _two_panels("GPUs", 2)
     for role in ("rollout", "reward", "training"):
         up.plot(gpus, [r[role][0] for r in rows], "o-", color=COLORS[role], label=role)
         down.plot(gpus, [r[role][1] for r in rows], "o-", color=COLORS[role], label=role)
@@ -105,8 +109,6 @@ def fig13(result: dict, path: Path) -> Path:
         up.axhspan(lo, hi, color=c, alpha=0.2)
     down.axhline(result["paper"]["shift_down_s_below"], color="#999999", ls=":")
     for ax, name in ((up, "shift up"), (down, "shift down")):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("GPUs", fontsize=8)
         ax.set_ylabel(f"{name} seconds", fontsize=8)
     up.legend(fontsize=6)
     fig.suptitle(f"Figure 13: {result['title']} (profile; bands and line: the paper's text)",
