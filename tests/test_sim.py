@@ -179,3 +179,20 @@ def test_bench_sim_json_smoke(tiny_models):
     out = json.loads(p.stdout)
     assert out["gpus"] == 16 and out["steps"] == 1 and out["samples_per_step"] == 32
     assert out["wall_s"] > 0 and out["virtual_s"] > 0 and out["shifts"] > 0
+
+
+def test_a_live_runs_step_overhead_is_measured_and_modeled(tiny_models, shiftable, tmp_path):
+    """The loop measures what a Step costs beyond its engine iterations (summary
+    `step_overhead_s`); `from_trace` takes it from a live trace, and the modeled workers
+    charge it, so the simulated loop measures it back and runs slower for it."""
+    from dataclasses import replace
+
+    cfg, path, summary = shiftable
+    assert summary["step_overhead_s"] == pytest.approx({"reward": 0.0, "rollout": 0.0}, abs=1e-9)
+    want = {"rollout": 0.05, "reward": 0.02}
+    slow = simulate(cfg, replace(SimConstants.from_config(cfg), step_overhead_s=want),
+                    tmp_path / "slow.h5")
+    assert slow["step_overhead_s"] == pytest.approx(want)
+    assert slow["seconds"] > summary["seconds"]
+    assert SimConstants.from_trace(tmp_path / "slow.h5", cfg).step_overhead_s == \
+        pytest.approx(want)

@@ -40,6 +40,7 @@ class Reporter:
         self.max_lag = 0
         self.trained_tokens = 0
         self.first_token_t: float | None = None   # the first generated token: start-up over
+        self._overhead: dict[str, tuple[float, int]] = {}   # role -> (seconds, Steps)
 
     # --- rows --------------------------------------------------------------------------
     def sequence(self, event: str, rec, replica: str) -> None:
@@ -47,6 +48,10 @@ class Reporter:
                           event=event, role=rec.role, replica=replica,
                           tokens=len(rec.generated),
                           version=-1 if rec.version is None else rec.version)
+
+    def step_overhead(self, role: str, seconds: float) -> None:
+        total, n = self._overhead.get(role, (0.0, 0))
+        self._overhead[role] = (total + max(0.0, seconds), n + 1)
 
     def tokens(self, role: str, n: int) -> None:
         self._window[role] += n
@@ -169,6 +174,8 @@ class Reporter:
             "validation": self.validations, "max_lag": self.max_lag,
             "staleness_held_s": ctl.book.held_s, "unparsed_genrm": ctl.book.unparsed,
             "in_flight_at_end": ctl.book.in_flight(),
+            # mean seconds a Step command took beyond its engine iterations, per role
+            "step_overhead_s": {r: t / n for r, (t, n) in sorted(self._overhead.items())},
             # device-seconds not spent in Step or TrainStep (shifting counts as idle)
             "idle_fraction": self.idle_fraction(end),
         }

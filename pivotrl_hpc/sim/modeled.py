@@ -69,6 +69,7 @@ class ModeledWorker:
     shift_down_s: dict[str, float]
     train_s: float = 1.0
     train_s_per_token: float = 0.0     # + this per prompt and response token of the batch
+    step_overhead_s: dict[str, float] = field(default_factory=dict)   # a Step's, per role
     vocab: int = 64
     role: RoleKind = RoleKind.IDLE
     version: int | None = None
@@ -139,7 +140,9 @@ class ModeledWorker:
                 out = self._iterations(left, first=not outs)
                 outs.append(out)
                 left -= out.iterations
-            return outs, sum(o.seconds for o in outs)
+            # the reply comes this much after the iterations; their seconds stay the model's
+            return outs, sum(o.seconds for o in outs) + \
+                self.step_overhead_s.get(self.role.value, 0.0)
         if isinstance(cmd, Abort):
             return self._abort(cmd.seq_ids), 0.0
         if isinstance(cmd, TrainStep):

@@ -14,13 +14,16 @@ What the modeled devices cost (`SimConstants`):
   means;
 - a training step: `train_s` seconds, or a live trace's median step;
 - start-up (`startup_s`: processes, imports, GPS v0, before any device can shift): 0, or when
-  a live trace's first shift began.
+  a live trace's first shift began;
+- a Step command's cost beyond its iterations (`step_overhead_s`, per role: the round trip
+  controller -> worker -> engine host and back, and the loop's turn): 0, or a live run's mean
+  (its summary's `step_overhead_s`).
 Deterministic: the same config, constants and seed give the same trace.
 """
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -48,11 +51,14 @@ class SimConstants:
     source: str = "config"
     startup_s: float = 0.0
     train_s_per_token: float = 0.0   # a training step is train_s + this * batch tokens
+    # seconds a Step command costs beyond its iterations (round trip, loop), per role
+    step_overhead_s: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {"source": self.source, "shift_up_s": self.shift_up_s,
                 "shift_down_s": self.shift_down_s, "train_s": self.train_s,
                 "train_s_per_token": self.train_s_per_token, "startup_s": self.startup_s,
+                "step_overhead_s": self.step_overhead_s,
                 "throughput": {m: vars(t) for m, t in self.throughput.items()}}
 
     @classmethod
@@ -93,6 +99,7 @@ class SimConstants:
         base = cls.from_config(cfg)
         with open_trace(str(path)) as t:
             shifts, fits, steps = t.table("shifts"), t.table("fits"), t.table("steps")
+            overhead = (t.summary or {}).get("step_overhead_s", {})
         means: dict[str, dict[str, float]] = {"up": {}, "down": {}}
         for way in means:
             for role in ROLES:
@@ -110,7 +117,8 @@ class SimConstants:
         starts = shifts["t"] - shifts["seconds"]
         startup = float(starts.min()) if len(starts) else 0.0
         return cls({**base.shift_up_s, **means["up"]}, {**base.shift_down_s, **means["down"]},
-                   float(train), models, f"trace {path}", max(startup, 0.0))
+                   float(train), models, f"trace {path}", max(startup, 0.0),
+                   step_overhead_s=dict(overhead))
 
 
 class WatchedClock(VirtualClock):
@@ -131,7 +139,8 @@ def modeled_workers(cfg: Config, constants: SimConstants, clock: VirtualClock
     workers = [ModeledWorker(d, clock, store, dict(constants.throughput),
                              dict(constants.shift_up_s), dict(constants.shift_down_s),
                              train_s=constants.train_s,
-                             train_s_per_token=constants.train_s_per_token)
+                             train_s_per_token=constants.train_s_per_token,
+                             step_overhead_s=dict(constants.step_overhead_s))
                for d in range(cfg.total_devices)]
     for w in workers:
         w._free_at = constants.startup_s   # nothing runs before the job has started
