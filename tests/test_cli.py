@@ -27,6 +27,7 @@ HELP = {
     ("bench", "shift"): ["--sizes", "--repeat", "--models-dir", "--json"],
     ("bench", "e2e"): ["--config", "--steps", "--paradigms", "overrides"],
     ("bench", "sim"): ["--gpus", "--steps", "--config", "--paradigm", "--json"],
+    ("bench", "migration"): ["--model", "--running", "--migrate", "--replicas", "--rounds"],
     ("bench", "soak"): ["--config", "--steps", "--early", "--tolerance", "--out", "overrides"],
     ("bench", "gpu"): ["--device", "--sizes-mb", "--train", "--repeats", "--no-nixl", "--json"],
     ("export",): ["RUN_OR_CHECKPOINT", "--out", "--force", "--json"],

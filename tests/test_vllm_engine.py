@@ -229,3 +229,19 @@ def test_genrm_judge_prompt_and_score(engines, models):
     with pytest.raises(RuntimeError, match="idle engine"):
         judge(eng, prompter, items)
     eng.abort()
+
+
+def test_bench_migration_measures_abort_dispatch_and_re_prefill(engines):
+    """Table 3's breakdown on the module's engine: each part measured, the total their sum,
+    every moved sequence resumed (it produced a token in the step after its re-add), and the
+    engine left empty."""
+    from pivotrl_hpc.cli.bench_migration import measure
+
+    eng = engines["policy"]
+    r = measure(eng, running=8, migrate=4, prompt_len=16, generated=8, replicas=4, rounds=2)
+    parts = [r["abort_s"], r["dispatch_s"]["scheduler"], r["dispatch_s"]["engine_add"],
+             r["re_prefill_s"]]
+    assert all(p >= 0 for p in parts) and r["abort_s"] > 0 and r["decode_step_s"] > 0
+    assert r["total_s"] == pytest.approx(sum(parts))
+    assert r["resumed"] and r["migrated"] == 4 and r["tokens_each"] == 24
+    assert eng.num_running == 0

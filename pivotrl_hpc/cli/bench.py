@@ -21,6 +21,8 @@ BENCHES: dict[str, tuple[str, str, str | None]] = {
              None),
     "gpu": ("pivotrl_hpc.cli.bench_gpu", "the GPU path: GPS Read into CUDA, Megatron shifts "
             "(profiling/gpu_check.sh)", None),
+    "migration": ("pivotrl_hpc.cli.bench_migration",
+                  "Abort, Dispatch, re-prefill seconds a sequence (Table 3)", None),
     "sim": ("pivotrl_hpc.cli.bench_sim", "wall seconds of a simulated RL step at N devices",
             None),
 }
