@@ -196,3 +196,22 @@ def test_a_live_runs_step_overhead_is_measured_and_modeled(tiny_models, shiftabl
     assert slow["seconds"] > summary["seconds"]
     assert SimConstants.from_trace(tmp_path / "slow.h5", cfg).step_overhead_s == \
         pytest.approx(want)
+
+
+def test_a_first_step_warm_up_is_measured_once_per_engine_and_modeled(tiny_models, shiftable,
+                                                                     tmp_path):
+    """A role's first Step on a device costs `first_step_s` more (an engine's warm-up); the
+    loop's summary reports the first Steps' mean wall seconds, which then hold the warm-up
+    plus one ordinary Step, and `from_trace` takes them."""
+    from dataclasses import replace
+
+    cfg, _, summary = shiftable
+    warm = {"rollout": 7.0, "reward": 3.0}
+    slow = simulate(cfg, replace(SimConstants.from_config(cfg), first_step_s=warm),
+                    tmp_path / "warm.h5")
+    for role, extra in warm.items():
+        assert extra < slow["first_step_s"][role] < extra + 1.0, slow["first_step_s"]
+        assert summary["first_step_s"][role] < 1.0
+    assert slow["seconds"] > summary["seconds"] + 3.0
+    got = SimConstants.from_trace(tmp_path / "warm.h5", cfg).first_step_s
+    assert got == pytest.approx(slow["first_step_s"])

@@ -203,15 +203,17 @@ class Controller:
                 if r.n_seq and not any(self.devices.busy(d) for d in info.devices):
                     self.devices.send(info.devices, Step(self.cfg.step_iterations),
                                       self._stepped(role, rid, flow.placements(rid),
-                                                    self.clock.now()))
+                                                    self.clock.now(), info.devices))
 
-    def _stepped(self, role: str, rid: str, epochs: dict[int, int], sent: float):
+    def _stepped(self, role: str, rid: str, epochs: dict[int, int], sent: float,
+                 devices: tuple[int, ...]):
         def done(replies: list[Reply]) -> None:
             check_replies(replies)
             outputs, now = replies[0].result, self.clock.now()
-            # what the Step cost beyond its engine iterations: the round trip through the
-            # worker and its engine host, and the loop's own turn (the simulator models it)
-            self.report.step_overhead(role, now - sent - sum(o.seconds for o in outputs))
+            # what the Step cost beyond its engine iterations (the round trip through the
+            # worker and its engine host, the loop's own turn), and a first Step's warm-up
+            self.report.step_timing(role, devices, now - sent,
+                                    sum(o.seconds for o in outputs))
             new = self.flows[role].on_step(rid, outputs, now,
                                            lambda n, t, s: self._observe(role, n, t, s),
                                            epochs)

