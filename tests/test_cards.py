@@ -69,6 +69,9 @@ def test_simulate_runs_a_paper_group_without_its_folders(group):
     assert out["shiftable"]["tokens_per_s"] > 0
     assert out["constants"]["source"] == "profile H20-96GB"
     assert out["constants"]["train_s_per_token"] > 0
+    from pivotrl_hpc.reproduce.paper import PAPER_SHIFT_RATIOS
+    assert out["paper_speedup_vs"] == {p: pytest.approx(r[Path(group).stem], abs=1e-3)
+                                       for p, r in PAPER_SHIFT_RATIOS.items()}
     notes = " ".join(out["stood_in"])
     assert "models.policy.path" in notes and "models.genrm.path" in notes
     assert "model card" in notes and "synthetic arithmetic dataset" in notes

@@ -156,7 +156,7 @@ def test_pivotrl_simulate_prints_every_paradigm_and_the_speedups(tiny_models, tm
     assert set(out["speedup_vs"]) == {"colocated", "disaggregated", "rr_colocated"}
     assert out["speedup_vs"]["colocated"] == pytest.approx(
         out["shiftable"]["tokens_per_s"] / out["colocated"]["tokens_per_s"])
-    assert out["constants"]["source"] == "config"
+    assert out["constants"]["source"] == "config" and "paper_speedup_vs" not in out
     with open_trace(str(tmp_path / "shiftable-run.h5")) as t:
         assert t.meta["simulated"] is True and t.summary["steps"] == 3
     assert np.isfinite(out["rr_colocated"]["idle_fraction"])

@@ -9,7 +9,8 @@ default for a CPU config) or, with `--from-trace`, from what a live run measured
 Disaggregated and rr_colocated get their best static split from the same search as
 `pivotrl bench e2e`. Prints one JSON object shaped like bench e2e's:
 {"<paradigm>": {"tokens_per_s", "seconds", "shifts", "idle_fraction", "split"},
- "speedup_vs": {...}, "constants": {...}}; `--out DIR` keeps every run's trace.
+ "speedup_vs": {...}, "paper_speedup_vs" (a paper group's published ratios),
+ "constants": {...}}; `--out DIR` keeps every run's trace.
 """
 from __future__ import annotations
 
@@ -77,6 +78,15 @@ def _constants(args, cfg):
     return SimConstants.from_profile(cfg, HARDWARE[hardware])
 
 
+def paper_speedups(config: str) -> dict[str, float] | None:
+    """Figure 9's shiftable-over-baseline ratios if `config` is one of the paper groups."""
+    from pivotrl_hpc.reproduce.paper import PAPER_SHIFT_RATIOS
+
+    group = Path(config).stem
+    return {p: round(r[group], 3) for p, r in PAPER_SHIFT_RATIOS.items()} \
+        if group in PAPER_SHIFT_RATIOS["colocated"] else None
+
+
 def main(args: argparse.Namespace) -> int:
     import tempfile
 
@@ -113,6 +123,9 @@ def _main(args: argparse.Namespace) -> int:
                 best, best_run = extra, run
         result[paradigm] = {k: best_run.get(k) for k in SHOWN} | {"split": best}
     result["speedup_vs"] = speedups(result, "tokens_per_s")
+    paper = paper_speedups(args.config)
+    if paper:   # a paper group: its published ratios beside ours (reproduce/paper.py)
+        result["paper_speedup_vs"] = paper
     result["constants"] = constants.to_dict()
     result["stood_in"] = stood_in   # what the run took the place of absent folders with
     print(json.dumps(result, indent=1))
