@@ -48,6 +48,11 @@ def _scheduler(replicas: int, per_replica: int):
     return sched
 
 
+def budget(generated: int, rounds: int) -> int:
+    """Tokens a sequence may generate: the steps before moving, two a round, and room."""
+    return generated + 2 * rounds + 4
+
+
 def measure(engine, running: int = 16, migrate: int = 8, prompt_len: int = 64,
             generated: int = 32, replicas: int = 16, rounds: int = 5, seed: int = 0) -> dict:
     from pivotrl_hpc.engines.vllm import Sampling
@@ -55,10 +60,9 @@ def measure(engine, running: int = 16, migrate: int = 8, prompt_len: int = 64,
 
     rng = random.Random(seed)
     greedy = Sampling(temperature=0.0, ignore_eos=True)
-    budget = generated + 2 * rounds + 4
     for i in range(running):
-        engine.add(str(i), [rng.randrange(1, 400) for _ in range(prompt_len)], [], budget,
-                   greedy)
+        engine.add(str(i), [rng.randrange(1, 400) for _ in range(prompt_len)], [],
+                   budget(generated, rounds), greedy)
     for _ in range(generated):
         engine.step()
     abort, sched_s, add_s, prefill, decode = [], [], [], [], []
@@ -110,7 +114,7 @@ def main(args: argparse.Namespace) -> int:
         print("pivotrl bench migration: --migrate must be within 1..--running",
               file=sys.stderr)
         return 2
-    need = args.prompt_len + args.generated + 2 * args.rounds + 4
+    need = args.prompt_len + budget(args.generated, args.rounds)
     options = EngineOptions(max_model_len=max(512, need), kv_cache_memory_bytes=64 * 2**20)
     with VLLMEngine(args.model, options) as engine:
         result = measure(engine, args.running, args.migrate, args.prompt_len, args.generated,

@@ -19,6 +19,6 @@ __all__ = [
     "PlannerParams", "REWARD", "ROLLOUT", "RRColocatedPolicy", "ReplicaSpec", "ReplicaState",
     "RolePool", "RuleBasedPolicy", "SeqState", "ShiftPair", "ShiftPlan", "SnapshotError",
     "StaticPolicy", "TRAINING", "TRAINING_ID", "TrainingState", "VanillaPlanner",
-    "VanillaTMPlanner", "WorkloadSnapshot", "construct_candidates", "harmonic_throughput", "make_policy",
-    "prepare_shift_pairs", "select_shift_up_role", "synthetic_snapshot",
+    "VanillaTMPlanner", "WorkloadSnapshot", "construct_candidates", "harmonic_throughput",
+    "make_policy", "prepare_shift_pairs", "select_shift_up_role", "synthetic_snapshot",
 ]

@@ -211,7 +211,10 @@ class RRColocatedPolicy:
         return allocation_plan(snap, target, True, f"rollout-reward pool serves {stage}")
 
 
-PLANNERS = ("shiftable", "vanilla", "vanilla_tm")   # the planner and its two ablations
+# the planner and its two ablations, by paradigm name
+_PLANNER_CLASSES = {"shiftable": PivotPlanner, "vanilla": VanillaPlanner,
+                    "vanilla_tm": VanillaTMPlanner}
+PLANNERS = tuple(_PLANNER_CLASSES)
 POLICIES = ("colocated", "disaggregated", "rr_colocated", "shiftable", "static",
             "rule_based", "vanilla", "vanilla_tm")
 
@@ -224,9 +227,7 @@ def make_policy(name: str, params: Mapping[str, Any] | None = None) -> Allocatio
         unknown = set(p) - planner_keys
         if unknown:
             raise ValueError(f"policy {name}: unknown parameters {sorted(unknown)}")
-        planner = {"shiftable": PivotPlanner, "vanilla": VanillaPlanner,
-                   "vanilla_tm": VanillaTMPlanner}[name]
-        return planner(PlannerParams(**p))
+        return _PLANNER_CLASSES[name](PlannerParams(**p))
     factories = {"static": StaticPolicy, "rule_based": RuleBasedPolicy,
                  "colocated": ColocatedPolicy, "disaggregated": DisaggregatedPolicy,
                  "rr_colocated": RRColocatedPolicy}
