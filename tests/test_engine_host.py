@@ -16,7 +16,7 @@ import pytest
 
 from pivotrl_hpc.engines.vllm.types import EngineOptions, Sampling
 from pivotrl_hpc.runtime.engine_host import (EngineHost, EngineHostError, GPSRead, TPWorld,
-                                             spmd)
+                                             fork_server_pid, spmd)
 
 MiB = 2**20
 OPTS = EngineOptions(max_model_len=128, kv_cache_memory_bytes=16 * MiB)
@@ -209,7 +209,7 @@ def test_a_hung_host_times_out_and_is_killed(tiny_models):
     if waiter.is_alive():  # the test's own bound: a broken timeout must not hang the suite
         os.kill(host.pid, signal.SIGKILL)
     assert len(errors) == 1 and isinstance(errors[0], EngineHostError), errors
-    assert "took over" in str(errors[0]) and host._proc.poll() is not None
+    assert "took over" in str(errors[0]) and host._proc.exitcode is not None
 
 
 @pytest.mark.slow
@@ -294,3 +294,24 @@ def test_a_preloaded_host_builds_on_first_use_and_matches(tiny_models, agent, re
         assert run([host]) == reference["policy" if host.version == 0 else "perturbed"]
     finally:
         host.close()
+
+
+def _ppid(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def test_hosts_fork_from_one_server_that_imported_vllm(tiny_models):
+    """A device's hosts are forks of one fork server, not fresh interpreters: the server
+    imported vLLM (its extension is mapped there) before it forked them, so no host pays
+    the 5 CPU-s of imports itself (each takes its own environment: the TP=2 test's world)."""
+    hosts = [EngineHost(tiny_models / m, OPTS, start=False, name=m) for m in ("policy", "genrm")]
+    try:
+        for host in hosts:
+            host.preloaded()
+        server = fork_server_pid()
+        assert server != os.getpid() and [_ppid(h.pid) for h in hosts] == [server, server]
+        maps = Path(f"/proc/{server}/maps").read_text()
+        assert "site-packages/vllm/_C" in maps
+    finally:
+        for host in hosts:
+            host.close()

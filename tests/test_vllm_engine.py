@@ -77,6 +77,15 @@ def test_greedy_generation_is_deterministic_with_logprobs(engines):
     assert first[0].token_ids != first[1].token_ids  # the prompts matter
 
 
+def test_no_torch_compile_on_cpu(engines):
+    """vLLM's sampler compiles two integer ops whatever `enforce_eager` says; on CPU the
+    adapter turns Dynamo off (a first Step cost 2-6 s of Inductor): no frame is compiled."""
+    from torch._dynamo.utils import counters
+
+    generate(engines["policy"], prompts(random.Random(3), 3, 4, 9), 4)
+    assert sum(counters["frames"].values()) == 0, dict(counters["frames"])
+
+
 def test_seeded_sampling_and_stop_tokens(engines):
     eng = engines["policy"]
     prompt = prompts(random.Random(1), 1, 16, 16)

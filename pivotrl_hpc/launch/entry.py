@@ -239,6 +239,7 @@ class Rank:
         from pivotrl_hpc.runtime.spec import worker_env, worker_spec
         os.environ.update(worker_env(self.cfg, device, ports))   # before torch is imported
         from pivotrl_hpc.gps.client import GPSClient              # imports overlap the
+        from pivotrl_hpc.runtime.engine_host import stop_fork_server
         from pivotrl_hpc.runtime.serve import serve               # agents' start-up
         from pivotrl_hpc.runtime.worker import DeviceWorker
 
@@ -255,6 +256,7 @@ class Rank:
             n = serve(self.world, _RoleLog(worker), controller=CONTROLLER_RANK)
             log.info("worker of device %d done after %d commands", device, n)
         finally:
+            stop_fork_server()
             client.close()
 
     def _cap(self, children: list[int] = ()) -> None:

@@ -11,7 +11,8 @@ process start. The host Reads its parameters from GPS shared memory itself (`GPS
 Protocol: pickled (method, args) over a `multiprocessing` pipe; every reply carries the
 engine's `awake`, running count and the GPS version last read. A dead child or a call past
 its timeout raises `EngineHostError` naming the host, never hangs; the child exits when its
-parent dies (pipe EOF, or a watchdog on its parent pid). TP > 1 hosts are driven SPMD: each
+worker dies (pipe EOF, or a watchdog on the worker's pidfd). Hosts fork from a per-worker
+fork server that imported vLLM once (`fork_server`), not each from a fresh interpreter. TP > 1 hosts are driven SPMD: each
 gets the same command stream (`spmd` drives several from one process).
 """
 from __future__ import annotations
@@ -19,10 +20,9 @@ from __future__ import annotations
 import builtins
 import contextlib
 import logging
+import multiprocessing
 import os
 import signal
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from multiprocessing import Pipe
@@ -32,6 +32,7 @@ from typing import Any, Sequence
 from pivotrl_hpc.engines.vllm.types import (AbortedSequence, EngineOptions, EngineState,
                                             Sampling, StepOutput)
 from pivotrl_hpc.gps.layout import ParallelPlace
+from pivotrl_hpc.runtime import engine_host_child
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[2]
 _WORLD_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
 _MPI_PREFIXES = ("OMPI_", "PMIX_", "PMI_")
-_CHILD = "from pivotrl_hpc.runtime.engine_host_child import main; main()"
+PRELOAD = "pivotrl_hpc.runtime.engine_host_preload"
 
 
 @dataclass(frozen=True)
@@ -129,10 +130,10 @@ class EngineHost:
     # ------------------------------------------------------------------ process
     def _spawn(self):
         parent, child = Pipe(duplex=True)
-        cmd = [sys.executable, "-c", _CHILD, str(child.fileno()), str(os.getpid()), self.name]
-        proc = subprocess.Popen(cmd, env=child_env(self.options, self.world),
-                                pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL,
-                                stdout=2)  # vLLM logs to stdout; a worker's stdout is data
+        proc = fork_server().Process(
+            target=engine_host_child.run, name=f"engine host {self.name}", daemon=True,
+            args=(child, os.getpid(), self.name, child_env(self.options, self.world)))
+        proc.start()
         child.close()
         log.info("engine host %s: pid %d (TP %s)", self.name, proc.pid,
                  f"{self.world.rank}/{self.world.size}" if self.world else "1")
@@ -144,16 +145,16 @@ class EngineHost:
 
     def _died(self, method: str) -> EngineHostError:
         self._kill()  # a broken pipe to a live child: take it down, its state is unknown
-        rc = self._proc.returncode
+        rc = self._proc.exitcode
         how = f"killed by {signal.Signals(-rc).name}" if rc < 0 else f"exit code {rc}"
         self._closed = True
         return EngineHostError(f"engine host {self.name} (pid {self._proc.pid}) died ({how}) "
                                f"during {method}")
 
     def _kill(self) -> None:
-        if self._proc.poll() is None:
+        if self._proc.exitcode is None:
             self._proc.kill()
-            self._proc.wait(10)
+            self._proc.join(10)
         remove_shm(self.world)
 
     # ------------------------------------------------------------------ calls
@@ -192,7 +193,7 @@ class EngineHost:
                     return self._conn.recv()
             except (EOFError, ConnectionError, OSError):
                 raise self._died(method) from None
-            if self._proc.poll() is not None and not self._conn.poll(0):
+            if self._proc.exitcode is not None and not self._conn.poll(0):
                 raise self._died(method)
             if time.monotonic() > deadline:
                 self._kill()
@@ -258,7 +259,7 @@ class EngineHost:
                 with contextlib.suppress(Exception):  # a start or step nobody collected
                     self.result()
             self.call("close", timeout_s=timeout_s)
-            self._proc.wait(timeout_s)
+            self._proc.join(timeout_s)
         except Exception as e:  # noqa: BLE001 - closing must end the process whatever happened
             log.warning("engine host %s did not close cleanly: %s", self.name, e)
         finally:
@@ -274,10 +275,42 @@ class EngineHost:
 
     def __del__(self) -> None:
         proc = getattr(self, "_proc", None)
-        if proc is not None and proc.poll() is None:
+        if proc is not None and proc.exitcode is None:
             proc.kill()
-            proc.wait(10)
+            proc.join(10)
             remove_shm(self.world)
+
+
+def fork_server() -> multiprocessing.context.ForkServerContext:
+    """This process's fork server for engine hosts, started now if it is not running: one
+    process that imports vLLM once (`engine_host_preload`, in the background); each host
+    forks from it with the modules loaded instead of importing them itself (5 CPU-s a
+    host, two hosts a device). `fork_server_pid()` names it (the launcher caps it)."""
+    from multiprocessing import forkserver
+
+    multiprocessing.set_forkserver_preload([PRELOAD])
+    forkserver.ensure_running()
+    return multiprocessing.get_context("forkserver")
+
+
+def fork_server_pid() -> int:
+    from multiprocessing import forkserver
+
+    return forkserver._forkserver._forkserver_pid
+
+
+def stop_fork_server() -> None:
+    """End this process's fork server (a worker's end: its cgroup can only go once empty).
+    Killed, not asked: it exits by itself only when every host forked from it is gone, and
+    a host still alive leaves on its own when the worker exits (it watches the worker)."""
+    from multiprocessing import forkserver
+
+    pid = forkserver._forkserver._forkserver_pid
+    if pid is None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    forkserver._forkserver._stop()   # closes our end of its pipes and reaps it
 
 
 def spmd(hosts: Sequence[EngineHost], method: str, *args: Any) -> list[Any]:

@@ -1,17 +1,18 @@
 """The engine host's own side: a child process of the device worker (see `engine_host`).
 
-Started as `python -c "...main()" FD PARENT_PID NAME`; answers (method, args) from the pipe
-on FD with (status, value, awake, running, version) until `close` or the pipe's EOF, and
-leaves as soon as its parent is gone (a watchdog thread on the parent pid: an engine busy in
-a step, or blocked in a collective, does not read the pipe).
+Forked by the worker's fork server, which imported vLLM once (`preload`); `run(conn,
+worker_pid, name, env)` takes the host's environment, then answers (method, args) from
+`conn` with (status, value, awake, running, version) until `close` or the pipe's EOF, and
+leaves as soon as the worker is gone (a watchdog thread on the worker's pidfd: an engine busy
+in a step, or blocked in a collective, does not read the pipe).
 """
 from __future__ import annotations
 
 import datetime
 import logging
 import os
+import select
 import signal
-import sys
 import threading
 import time
 import traceback
@@ -20,22 +21,33 @@ from typing import Any
 
 log = logging.getLogger("pivotrl_hpc.runtime.engine_host")
 
-PARENT_POLL_S = 0.25
+
+def preload() -> float:
+    """Import vLLM and the engine adapter: every module an engine start imports (5 CPU-s
+    here, not just `vllm`'s 2), so none is left for the first shift up, under the device's
+    CPU cap. Returns its seconds (0 once done in this process or its fork server)."""
+    t0 = time.perf_counter()
+    from pivotrl_hpc.engines.vllm import backend, engine  # noqa: F401
+
+    backend.preload_vllm()
+    return time.perf_counter() - t0
 
 
-def main() -> None:
-    fd, ppid, name = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+def run(conn: Connection, worker_pid: int, name: str, env: dict[str, str]) -> None:
+    """The host's life, in a process forked from the fork server (`engine_host`)."""
+    os.environ.clear()
+    os.environ.update(env)   # the fork server's environment is the worker's at its start
+    os.dup2(2, 1)            # vLLM logs to stdout; a worker's stdout is data
     host = _Host()
-    _watch_parent(ppid, host)
+    _watch_worker(worker_pid, host)
     # A terminal's Ctrl-C reaches the whole process group, and Slurm's scancel / time limit
     # signal every process of the step: the worker decides when its hosts stop (abort, then
-    # close), and they follow it when it dies (pipe EOF, parent watch).
+    # close), and they follow it when it dies (pipe EOF, worker watch).
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
     logging.basicConfig(level=os.environ.get("PIVOTRL_ENGINE_HOST_LOG", "WARNING"),
                         format=f"%(asctime)s [engine host {name}] %(levelname)s %(name)s: "
-                               "%(message)s")
-    conn = Connection(fd)
+                               "%(message)s", force=True)
     try:
         serve(conn, host)
     finally:
@@ -45,14 +57,20 @@ def main() -> None:
         os._exit(0)  # no interpreter teardown: engine threads or atexit hooks could linger
 
 
-def _watch_parent(ppid: int, host: _Host) -> None:
+def _watch_worker(pid: int, host: _Host) -> None:
+    """Leave when the worker dies. Not the parent: that is the fork server, which outlives
+    the worker while any host holds its liveness pipe. A pidfd never names a reused pid."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        os._exit(70)
+
     def run() -> None:
-        while os.getppid() == ppid:
-            time.sleep(PARENT_POLL_S)
+        select.select([fd], [], [])   # readable once the worker has exited
         host.remove_shm()
         os._exit(70)
 
-    threading.Thread(target=run, name="engine-host-parent-watch", daemon=True).start()
+    threading.Thread(target=run, name="engine-host-worker-watch", daemon=True).start()
 
 
 def serve(conn: Connection, host: _Host) -> None:
@@ -98,12 +116,8 @@ class _Host:
 
     # ------------------------------------------------------------------ commands
     def do_preload(self) -> float:
-        """Import vLLM and the engine adapter ahead of the first start (job start-up)."""
-        t0 = time.perf_counter()
-        import vllm  # noqa: F401
-
-        from pivotrl_hpc.engines.vllm import engine  # noqa: F401
-        return time.perf_counter() - t0
+        """Import vLLM ahead of the first start (job start-up; done by the fork server)."""
+        return preload()
 
     def do_start(self, model_dir, options, read, world) -> dict[str, float]:
         if self.engine is not None:

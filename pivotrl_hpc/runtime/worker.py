@@ -188,13 +188,18 @@ class DeviceWorker:
         return {_engine_phase(k): v for k, v in raw.items()}
 
     def prewarm(self) -> list[int]:
-        """Spawn an engine host per model and import vLLM in it now (job start-up, before
-        the device's CPU cap), so the first shift up builds only the engine. Returns the
-        hosts' pids: the launcher moves them under the device's cap with the worker."""
-        from pivotrl_hpc.runtime.engine_host import EngineHost
+        """Start the engine hosts now (job start-up, before the device's CPU cap): their
+        fork server imports vLLM while this process imports Megatron-Core (a training
+        device), so a first shift up builds only the engine. Returns the pids of the hosts
+        and of their fork server: the launcher moves them under the device's cap too."""
+        from pivotrl_hpc.runtime.engine_host import EngineHost, fork_server, fork_server_pid
 
         if not self.spec.engine_process:
             return []
+        fork_server()
+        if self.spec.trainer_config is not None:
+            from pivotrl_hpc.engines.megatron.trainer import preload_megatron
+            preload_megatron()
         for model in ("policy", "genrm"):
             if model not in self.engines:
                 self.engines[model] = EngineHost(
@@ -203,7 +208,8 @@ class DeviceWorker:
                     name=f"{model} on device {self.spec.device}")
         for host in self.engines.values():
             host.preloaded()
-        return [host.pid for host in self.engines.values()]
+        # the fork server too: a host it forks later (a restart) starts under the cap
+        return [host.pid for host in self.engines.values()] + [fork_server_pid()]
 
     def _gps_read(self, model: str, place: ParallelPlace, version: int | None):
         from pivotrl_hpc.runtime.engine_host import GPSRead

@@ -28,6 +28,17 @@ from pivotrl_hpc.gps.shapes import ModelShape
 log = logging.getLogger(__name__)
 
 
+def preload_megatron() -> None:
+    """Import the Megatron-Core modules a trainer build imports (2 CPU-s): a worker does it
+    at job start-up, so that its first shift up to training is not spent importing under
+    the device's CPU cap."""
+    import megatron.core.distributed  # noqa: F401
+    import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401
+    import megatron.core.optimizer  # noqa: F401
+    import megatron.core.tensor_parallel  # noqa: F401
+    import megatron.core.transformer.module  # noqa: F401
+
+
 @dataclass(frozen=True)
 class OptimConfig:
     lr: float = 1e-6

@@ -98,6 +98,11 @@ def configure_process(options: EngineOptions, gpu: bool) -> None:
     import torch
 
     torch.set_num_threads(options.omp_threads)
+    # vLLM's sampler torch.compiles two small integer ops (the sampled token's rank, top-k
+    # masks) whatever `enforce_eager` says: on CPU, Inductor's first compile cost a host
+    # 2 s (4.7-6 s under a 0.4-core cap) of its first Step, per process, for ops whose
+    # eager result is the same integers.
+    torch._dynamo.config.disable = True
 
 
 class _TokenizerlessWarmupFilter(logging.Filter):
