@@ -315,3 +315,24 @@ def test_hosts_fork_from_one_server_that_imported_vllm(tiny_models):
     finally:
         for host in hosts:
             host.close()
+
+
+def test_hosts_and_their_fork_server_outlive_slurms_sigterm(tiny_models):
+    """scancel, preemption and the time limit SIGTERM every process of the step: the worker
+    decides when its hosts stop, so neither the hosts nor their fork server may die of it (a
+    dead fork server made the worker read exit code 255 for a live host and fail a Reload)."""
+    host = EngineHost(tiny_models / "policy", OPTS, start=False, name="policy")
+    try:
+        host.preloaded()
+        server = fork_server_pid()
+        for pid in (server, host.pid):
+            os.kill(pid, signal.SIGTERM)
+            os.kill(pid, signal.SIGHUP)
+        assert host.call("preload") < 1.0    # the host answers after its signals
+        second = EngineHost(tiny_models / "genrm", OPTS, start=False, name="genrm")
+        second.preloaded()                   # the server forks after its signals
+        second.close()
+        assert _alive(server) and fork_server_pid() == server
+        assert host._proc.exitcode is None and host.call("preload") < 1.0
+    finally:
+        host.close()
