@@ -228,7 +228,7 @@ def test_tp2_across_two_hosts_equals_tp1_and_resumes_exactly(tiny_models, agent,
         done.update(run(hosts))
         assert done == reference["genrm"]
         assert all(h.version == 0 for h in hosts)
-        spmd(hosts, "shift_down")  # a warm restart keeps the world and the TP groups
+        spmd(hosts, "shift_down")  # asleep: the world and the TP groups stay
         spmd(hosts, "shift_up", read)
         add_all(hosts)
         assert run(hosts) == reference["genrm"]

@@ -83,7 +83,7 @@ def test_reward_engine_serves_gps_weights_as_transformers_at_tp2(arch, genrm_arc
             h.wait_started()
         want = hf_greedy(genrm_archs[arch])
         assert serve(hosts) == want
-        spmd(hosts, "shift_down")   # a warm restart Reads GPS again (and re-packs the experts)
+        spmd(hosts, "shift_down")   # the wake Reads GPS again (and re-packs the experts)
         spmd(hosts, "shift_up", read)
         assert serve(hosts) == want
     finally:

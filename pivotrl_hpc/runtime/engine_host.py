@@ -5,8 +5,9 @@ cannot live in a worker whose world is the trainer's (it hangs; see the emulatio
 The host owns one `VLLMEngine` with a torch world of its own: none shared for TP = 1 (vLLM
 makes a private 1-rank one), and for TP > 1 exactly the replica's hosts (RANK = TP rank,
 `external_launcher`), built once and preserved across shifts. Shift down and shift up stay
-inside the host (CPU: engine drop / warm restart; GPU: sleep / wake), so a shift pays no
-process start. The host Reads its parameters from GPS shared memory itself (`GPSRead`).
+inside the host (sleep / wake: vLLM's on GPU, `cpu_sleep` on CPU), so a shift pays no
+process start and no engine build. The host Reads its parameters from GPS shared memory
+itself (`GPSRead`).
 
 Protocol: pickled (method, args) over a `multiprocessing` pipe; every reply carries the
 engine's `awake`, running count and the GPS version last read. A dead child or a call past

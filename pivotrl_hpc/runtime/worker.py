@@ -1,8 +1,8 @@
 """The device worker: one role at a time, moved by shift down / shift up (paper §5.2).
 
 A worker owns one device (a GPU, or here a CPU worker process). It keeps one vLLM engine per
-model it has served (asleep when not in use: on CPU an empty shell that warm-restarts, on GPU
-sleep mode level 2) and at most one Megatron trainer, whose process groups are preserved
+model it has served, asleep when not in use (sleep mode level 2: vLLM's on GPU, `cpu_sleep`
+on CPU; in-process engines, without hosts, one per process), and at most one Megatron trainer, whose process groups are preserved
 across shifts. Parameters always come from the parameter store (GPS Read) on shift up, so a
 device can take any role even when no other device holds that model.
 """
