@@ -207,7 +207,7 @@ def test_bench_shift_json_smoke(tiny_models):
         assert {"parameters.read", "parameters.load"} <= set(r["up_phases"]), role
         _subtotals_consistent(r["up_phases"])
         _subtotals_consistent(r["down_phases"])
-    for role in ("rollout", "reward"):   # vLLM sleep level 2 (CPU: cpu_sleep) and wake
+    for role in ("rollout", "reward"):   # engine hosts: sleep level 2 (CPU: cpu_sleep), wake
         assert set(roles[role]["up_phases"]) == {"parameters.read", "parameters.load",
                                                  "preserved.engine_wake",
                                                  "temporary.kv_alloc", "total"}

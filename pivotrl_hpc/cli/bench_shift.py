@@ -1,7 +1,8 @@
 """`pivotrl bench shift --json`: shift up / shift down seconds per role, with phases.
 
 One device worker (its GPS node agent in a thread) moves rollout -> reward -> training,
-`--repeat` times; the first cycle, which builds engines and imports code (preserved context
+`--repeat` times, its engines in engine hosts as in a job (`--in-process`: in the worker,
+one at a time, so rollout <-> reward closes one engine and builds the other); the first cycle, which builds engines and imports code (preserved context
 afterwards), is reported apart from the median warm cycle (its phases add up to its total).
 """
 from __future__ import annotations
@@ -21,8 +22,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--models-dir", type=Path, default=None,
                    help="reuse models made by `pivotrl init-models --with-100m`")
     p.add_argument("--json", action="store_true", help="print one JSON object (default)")
-    p.add_argument("--engine-process", action="store_true",
-                   help="inference engines in engine hosts (child processes), as in a job")
+    p.add_argument("--in-process", action="store_true",
+                   help="inference engines in the worker process, not in engine hosts")
 
 
 def _models(size: str, base: Path) -> dict[str, str]:
@@ -89,8 +90,9 @@ def main(args: argparse.Namespace) -> int:
         return 2
     with tempfile.TemporaryDirectory(prefix="pivotrl-bench-") as tmp:
         base = args.models_dir or Path(tmp)
-        result = {"repeat": args.repeat, "device": "cpu", "engine_process": args.engine_process,
-                  "sizes": {s: bench_size(s, base, args.repeat, args.engine_process)
+        hosts = not args.in_process
+        result = {"repeat": args.repeat, "device": "cpu", "engine_process": hosts,
+                  "sizes": {s: bench_size(s, base, args.repeat, hosts)
                             for s in sizes}}
     json.dump(result, sys.stdout, indent=1)
     print()
