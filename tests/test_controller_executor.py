@@ -122,6 +122,14 @@ def test_tau_follows_the_measured_shifts():
     tau.observe("rollout", 1.0)
     tau.observe("rollout", 1.0)
     assert policy.params.tau_shift["rollout"] == pytest.approx((3.0 + 1.0 + 1.0) / 3)
+    # an engine's first build is not what the next shift costs: left out, counted
+    tau.observe("rollout", 30.0, {"preserved.engine_start": 29.0, "total": 30.0})
+    tau.observe("training", 20.0, {"preserved.build": 19.0, "total": 20.0})
+    assert policy.params.tau_shift == pytest.approx({"rollout": 5 / 3, "reward": 4.0,
+                                                     "training": 7.0})
+    assert tau.builds == {"rollout": 1, "reward": 0, "training": 1}
+    tau.observe("rollout", 1.0 / 3, {"preserved.engine_wake": 0.1, "total": 1.0 / 3})
+    assert policy.params.tau_shift["rollout"] == pytest.approx((5 + 1 / 3) / 4)
 
 
 def test_controller_and_sim_import_no_heavy_module():

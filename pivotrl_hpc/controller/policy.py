@@ -54,13 +54,28 @@ def make_paradigm_policy(cfg: Config) -> AllocationPolicy:
     return make_policy(cfg.paradigm.name, policy_params(cfg))
 
 
+# Phases of a shift that built its engine or trainer: once per (device, model) for the
+# job's life, then the device wakes in place (sleep level 2, preserved context).
+BUILD_PHASES = frozenset({"preserved.engine_start", "preserved.build"})
+
+
 @dataclass
 class TauTracker:
-    """Running mean of observed shift seconds per role (shift up + the matching down)."""
+    """Running mean of observed shift seconds per role (shift up + the matching down).
+
+    A shift that built its engine is left out: a first build (seconds under a CPU cap, a
+    model load on a GPU) happens once per device and model, while τ_shift prices the shifts
+    the planner weighs next, which wake what was built (tenths of a second here). Counting
+    builds made the planner price every shift at the build's cost."""
     tau: dict[str, float]
     counts: dict[str, int] = field(default_factory=lambda: {r: 0 for r in ROLES})
+    builds: dict[str, int] = field(default_factory=lambda: {r: 0 for r in ROLES})
 
-    def observe(self, role: str, seconds: float) -> float:
+    def observe(self, role: str, seconds: float, phases: dict[str, float] | None = None
+                ) -> float:
+        if phases and BUILD_PHASES & phases.keys():
+            self.builds[role] += 1
+            return self.tau[role]
         n = self.counts[role]
         # The configured value counts as one prior observation, so one odd shift cannot
         # swing the planner.

@@ -159,7 +159,7 @@ class Executor:
         self.book.in_flight -= 1
         phases = dict(replies[0].phases)
         worker_s = phases.get("total", seconds)
-        self.tau.observe(a.role, worker_s)
+        self.tau.observe(a.role, worker_s, phases)
         self.book.by_role.setdefault(f"{a.role}.{direction}", []).append(worker_s)
         agg = self.book.phases.setdefault(f"{a.role}.{direction}", {})
         for k, v in phases.items():
