@@ -2,8 +2,9 @@
 
 One device worker (its GPS node agent in a thread) moves rollout -> reward -> training,
 `--repeat` times, its engines in engine hosts as in a job (`--in-process`: in the worker,
-one at a time, so rollout <-> reward closes one engine and builds the other); the first cycle, which builds engines and imports code (preserved context
-afterwards), is reported apart from the median warm cycle (its phases add up to its total).
+one at a time, so rollout <-> reward closes one engine and builds the other). The first
+cycle, which builds engines and imports code (preserved context afterwards), is reported
+apart from the median warm cycle (its phases add up to its total).
 """
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ def _median_phases(runs: list[dict[str, float]]) -> dict[str, float]:
     return {k: round(v, 4) for k, v in sorted(run.items())}
 
 
-def bench_size(size: str, base: Path, repeat: int, engine_process: bool = False) -> dict:
+def bench_size(size: str, base: Path, repeat: int, engine_process: bool = True) -> dict:
     from pivotrl_hpc.engines.megatron.trainer import TrainerConfig
     from pivotrl_hpc.engines.vllm.types import EngineOptions
     from pivotrl_hpc.runtime.local import local_worker

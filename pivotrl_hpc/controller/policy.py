@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from pivotrl_hpc.plan.policies import PLANNERS, make_policy
 from pivotrl_hpc.plan.types import AllocationPolicy
+from pivotrl_hpc.runtime.context import BUILD_PHASES
 
 if TYPE_CHECKING:  # the config package loads YAML: keep the loop importable without it
     from pivotrl_hpc.config.schema import Config
@@ -52,11 +53,6 @@ def split_of(cfg: Config) -> tuple[int, int]:
 
 def make_paradigm_policy(cfg: Config) -> AllocationPolicy:
     return make_policy(cfg.paradigm.name, policy_params(cfg))
-
-
-# Phases of a shift that built its engine or trainer: once per (device, model) for the
-# job's life, then the device wakes in place (sleep level 2, preserved context).
-BUILD_PHASES = frozenset({"preserved.engine_start", "preserved.build"})
 
 
 @dataclass

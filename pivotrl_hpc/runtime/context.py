@@ -45,3 +45,9 @@ ROLE_CONTEXT: dict[RoleKind, dict[ContextKind, tuple[str, ...]]] = {
 def phase(kind: ContextKind, what: str) -> str:
     """Phase key for the shift report, e.g. 'parameters.read'."""
     return f"{kind.value}.{what}"
+
+
+# A shift that built its vLLM engine or Megatron trainer reports one of these: once per
+# (device, model) for the job's life; later shifts wake what was built.
+BUILD_PHASES = frozenset({phase(ContextKind.PRESERVED, "engine_start"),
+                          phase(ContextKind.PRESERVED, "build")})

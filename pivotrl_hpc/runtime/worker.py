@@ -2,9 +2,10 @@
 
 A worker owns one device (a GPU, or here a CPU worker process). It keeps one vLLM engine per
 model it has served, asleep when not in use (sleep mode level 2: vLLM's on GPU, `cpu_sleep`
-on CPU; in-process engines, without hosts, one per process), and at most one Megatron trainer, whose process groups are preserved
-across shifts. Parameters always come from the parameter store (GPS Read) on shift up, so a
-device can take any role even when no other device holds that model.
+on CPU; in-process engines, without hosts, one per process), and at most one Megatron
+trainer, whose process groups are preserved across shifts. Parameters always come from the
+parameter store (GPS Read) on shift up, so a device can take any role even when no other
+device holds that model.
 """
 from __future__ import annotations
 

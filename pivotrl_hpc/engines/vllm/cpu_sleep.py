@@ -25,10 +25,7 @@ process for the in-process engine, in each TP rank's process under `external_lau
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
-
-log = logging.getLogger(__name__)
 
 _STATE = "_pivotrl_cpu_sleep"
 
@@ -60,17 +57,23 @@ def _unique(named_tensors):
     return out
 
 
-def _kv_tensors(runner):
-    caches = runner.kv_caches
-    flat = []
-    stack = list(caches)
+def _kv_tensors(runner) -> list:
+    """The runner's KV cache tensors (one per layer), any nested lists flattened."""
+    flat, stack = [], list(runner.kv_caches)
     while stack:
         item = stack.pop()
         if isinstance(item, (list, tuple)):
             stack.extend(item)
         else:
             flat.append(item)
-    return [(f"kv{i}", t) for i, t in enumerate(flat)]
+    return flat
+
+
+def _as_bytes(storage):
+    """A uint8 tensor over the whole storage, to fill it in place."""
+    import torch
+
+    return torch.empty(0, dtype=torch.uint8).set_(storage)
 
 
 def sleep_in_worker(worker) -> int:
@@ -80,7 +83,7 @@ def sleep_in_worker(worker) -> int:
     state = getattr(worker, _STATE, None) or _Sleep()
     if state.kv or state.weights:
         raise RuntimeError("CPU sleep: the engine is already asleep")
-    state.kv = [(s, n) for _, s, n in _unique(_kv_tensors(runner))]
+    state.kv = [(s, n) for _, s, n in _unique(enumerate(_kv_tensors(runner)))]
     state.weights = _unique(model.named_parameters())
     for module in model.modules():
         if "cpu_linear" in vars(module):
@@ -96,13 +99,11 @@ def sleep_in_worker(worker) -> int:
 def wake_weights_in_worker(worker) -> int:
     """Give the parameters their memory back (to be refilled by `reload_weights`); on the
     first wake filled with NaN, so that `check_weights_in_worker` sees what was not."""
-    import torch
-
     state: _Sleep = getattr(worker, _STATE)
     for _, storage, nbytes in state.weights:
         storage.resize_(nbytes)
         if not state.checked:
-            torch.empty(0, dtype=torch.uint8).set_(storage).fill_(0xFF)  # NaN in every float
+            _as_bytes(storage).fill_(0xFF)  # NaN in every float dtype
     return sum(n for _, _, n in state.weights)
 
 
@@ -131,16 +132,15 @@ def check_weights_in_worker(worker) -> int:
 
 
 def wake_kv_in_worker(worker) -> int:
-    """Re-allocate the KV cache, zeroed as a fresh engine's; the sleep is over."""
-    import torch
-
+    """Re-allocate the KV cache, zeroed as a fresh engine's; the sleep is over. Returns
+    the bytes allocated."""
     state: _Sleep = getattr(worker, _STATE)
     for storage, nbytes in state.kv:
         storage.resize_(nbytes)
-        torch.empty(0, dtype=torch.uint8).set_(storage).zero_()
-    freed = sum(n for _, n in state.kv)
+        _as_bytes(storage).zero_()
+    allocated = sum(n for _, n in state.kv)
     state.kv, state.weights = [], []
-    return freed
+    return allocated
 
 
 def sleep(llm) -> int:
