@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
+from pivotrl_hpc.engines.ports import free_port
 import subprocess
 import sys
 import threading
@@ -63,12 +63,6 @@ def shm_communicator() -> bool:
     import torch
     import vllm._custom_ops  # noqa: F401 - registers vLLM's CPU ops
     return hasattr(torch.ops._C, "init_shm_manager")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

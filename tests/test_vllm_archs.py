@@ -6,7 +6,7 @@ crashes (NOTES.md); the config refuses EP > 1 on CPU devices (test_config.py).
 """
 from __future__ import annotations
 
-import socket
+from pivotrl_hpc.engines.ports import free_port
 
 import pytest
 import torch
@@ -33,12 +33,6 @@ def hf_greedy(folder) -> dict[str, list[int]]:
                 ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
             out[sid] = ids[len(prompt):]
     return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

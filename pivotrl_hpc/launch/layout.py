@@ -21,6 +21,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pivotrl_hpc.engines import ports
+
 AGENT, WORKER = "agent", "worker"
 CONTROLLER_RANK = 0
 
@@ -206,7 +208,10 @@ def port_base(job: str, env: Mapping[str, str]) -> int:
     (every rank of every node derives the same one)."""
     if env.get("PIVOTRL_PORT_BASE"):
         return int(env["PIVOTRL_PORT_BASE"])
-    return 20000 + int(hashlib.sha1(job.encode()).hexdigest(), 16) % 40 * PORTS_PER_JOB
+    start, end = ports.port_window()  # outside the ephemeral range (engines.ports says why)
+    first = -(-start // PORTS_PER_JOB) * PORTS_PER_JOB
+    slots = max(1, (end - first) // PORTS_PER_JOB - 1)
+    return first + int(hashlib.sha1(job.encode()).hexdigest(), 16) % slots * PORTS_PER_JOB
 
 
 # A job's TCP ports: base (training world), base + 100 + slot (GenRM TP worlds), base + 100 +

@@ -22,12 +22,10 @@ from __future__ import annotations
 import json
 import logging
 import os
-import random
 import re
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -38,6 +36,7 @@ from pathlib import Path
 
 from pivotrl_hpc.config import to_dict
 from pivotrl_hpc.config.validate import check_cpu_shares
+from pivotrl_hpc.engines import ports
 from pivotrl_hpc.gps import shmdir
 from pivotrl_hpc.launch import cgroup
 from pivotrl_hpc.launch.diagnose import diagnose as diagnose_ranks
@@ -117,22 +116,12 @@ def mpirun_command(mpirun: str, layout: RankLayout, config_json: Path,
     return cmd + [sys.executable, "-m", "pivotrl_hpc.launch.entry", str(config_json)]
 
 
-def free_port_base(count: int, tries: int = 50) -> int:
-    """A base port with `count` free ports above it (checked by binding each)."""
-    for _ in range(tries):
-        base = random.randrange(20000, 60000 - count, 100)
-        if all(_port_free(base + i) for i in range(count)):
-            return base
-    raise LaunchError(f"no range of {count} free TCP ports found between 20000 and 60000")
-
-
-def _port_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
+def free_port_base(count: int) -> int:
+    """A base port with `count` free ports above it, outside the ephemeral range (engines.ports)."""
+    try:
+        return ports.free_port_base(count)
+    except OSError as e:
+        raise LaunchError(str(e)) from None
 
 
 # ---- run ---------------------------------------------------------------------------

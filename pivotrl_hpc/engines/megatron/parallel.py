@@ -54,12 +54,10 @@ class ParallelLayout:
 def single_process_world() -> None:
     """The env vars of a one-rank torch world on a free local port (benchmarks and checks that
     run a trainer in the calling process); variables already set are kept."""
-    import socket
+    from pivotrl_hpc.engines.ports import free_port
 
-    if "MASTER_PORT" not in os.environ:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
+    if "MASTER_PORT" not in os.environ:  # not an ephemeral port: engines may take those first
+        os.environ["MASTER_PORT"] = str(free_port())
     for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"),
                        ("MASTER_ADDR", "127.0.0.1")):
         os.environ.setdefault(key, value)
