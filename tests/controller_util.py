@@ -37,7 +37,8 @@ def prompts(n=64):
 
 def make_controller(paradigm="shiftable", gpus=8, train=(0, 1, 2, 3), steps=3, k=2,
                     params=None, bootstrap=None, reward_gpus=1, fail_on=None, eval_every=0,
-                    trace=None, batch_size=4, group_size=4, tau=None, late_finish=False):
+                    trace=None, batch_size=4, group_size=4, tau=None, late_finish=False,
+                    prebuild=()):
     clock = VirtualClock()
     store = ModeledStore()
     workers = [ModeledWorker(d, clock, store, {"policy": POLICY, "genrm": GENRM},
@@ -49,7 +50,8 @@ def make_controller(paradigm="shiftable", gpus=8, train=(0, 1, 2, 3), steps=3, k
                   staleness=k, lengths=lengths, temperature=1.0, seed=0)
     cfg = LoopConfig(gpus, {"rollout": 1, "reward": reward_gpus},
                      {"rollout": 2048, "reward": 2048}, tuple(train), steps,
-                     planner_interval_s=0.5, log_interval_s=1.0, eval_every=eval_every)
+                     planner_interval_s=0.5, log_interval_s=1.0, eval_every=eval_every,
+                     prebuild=tuple(prebuild))
     models = {"rollout": RoleModel(POLICY, True), "reward": RoleModel(GENRM, True)}
     tau = TauTracker(dict(tau or {"rollout": 0.8, "reward": 0.9, "training": 1.2}))
     policy = make_policy(paradigm, params or ({"tau_shift": dict(tau.tau)} if paradigm in PLANNERS

@@ -193,3 +193,22 @@ def test_initial_split_over_cluster(tiny_config):
 
 def test_group_size_for_grpo(tiny_config):
     assert error(tiny_config, ["rl.group_size=1"]).key == "rl.group_size"
+
+
+@pytest.mark.parametrize("paradigm, mode, models", [
+    ("shiftable", "auto", ("policy", "genrm")), ("colocated", "auto", ("policy", "genrm")),
+    ("disaggregated", "auto", ()), ("disaggregated", "all", ("policy", "genrm")),
+    ("shiftable", "none", ())])
+def test_which_engines_every_device_builds_at_start(tiny_config, paradigm, mode, models):
+    from pivotrl_hpc.controller.live import loop_config
+
+    split = ["paradigm.initial_rollout_devices=2", "paradigm.initial_reward_devices=2"]
+    cfg = load_config(tiny_config, [f"paradigm.name={paradigm}", f"roles.prebuild_engines={mode}",
+                                    *(split if paradigm == "disaggregated" else [])],
+                      check_files=False)
+    assert loop_config(cfg).prebuild == models
+
+
+def test_prebuild_mode_is_checked(tiny_config):
+    with pytest.raises(ConfigError, match="roles.prebuild_engines"):
+        load_config(tiny_config, ["roles.prebuild_engines=maybe"], check_files=False)

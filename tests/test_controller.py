@@ -9,7 +9,7 @@ import pytest
 from controller_util import make_controller, split_bootstrap
 from pivotrl_hpc.controller.flow import ControllerError
 from pivotrl_hpc.controller.rl import lag
-from pivotrl_hpc.runtime.messages import Step
+from pivotrl_hpc.runtime.messages import Prepare, Step
 
 FIXED = ("colocated", "disaggregated", "rr_colocated")
 
@@ -116,6 +116,21 @@ def test_staleness_zero_is_synchronous_and_holds_admission():
 def test_worker_failure_names_the_device_and_shuts_everyone_down():
     ctl, workers = make_controller("shiftable", bootstrap=split_bootstrap(), fail_on=Step)
     with pytest.raises(ControllerError, match=r"Step failed on device [4-7]"):
+        ctl.run()
+    assert all(w.log[-1] == "Shutdown" for w in workers)
+
+
+def test_prebuild_prepares_every_device_before_anything_else():
+    ctl, workers = make_controller("shiftable", bootstrap=split_bootstrap(),
+                                   prebuild=("policy", "genrm"))
+    summary = ctl.run()
+    assert all(w.log[0] == "Prepare" for w in workers)
+    assert summary["prebuilt_s"] == 0.0   # modeled engines build in no virtual time
+    ctl, workers = make_controller("shiftable", bootstrap=split_bootstrap())
+    assert ctl.run()["prebuilt_s"] is None and "Prepare" not in workers[0].log
+    ctl, workers = make_controller("shiftable", bootstrap=split_bootstrap(),
+                                   prebuild=("policy", "genrm"), fail_on=Prepare)
+    with pytest.raises(ControllerError, match=r"Prepare failed on device \d"):
         ctl.run()
     assert all(w.log[-1] == "Shutdown" for w in workers)
 

@@ -330,3 +330,59 @@ def test_hosts_and_their_fork_server_outlive_slurms_sigterm(tiny_models):
         assert host._proc.exitcode is None and host.call("preload") < 1.0
     finally:
         host.close()
+
+
+def _greedy_through(worker, prompts=PROMPTS) -> dict[str, list[int]]:
+    from pivotrl_hpc.runtime.messages import AddSequences, SeqRequest, Step
+
+    seqs = tuple(SeqRequest(k, tuple(p), max_new_tokens=N_NEW, sampling=GREEDY)
+                 for k, p in prompts.items())
+    assert worker.handle(AddSequences(seqs)).ok
+    done: dict[str, list[int]] = {}
+    while len(done) < len(prompts):
+        r = worker.handle(Step(4))
+        assert r.ok, r.error
+        done.update((f.seq_id, f.token_ids) for out in r.result for f in out.finished)
+    return done
+
+
+def test_prepare_builds_every_engine_asleep_so_shift_ups_only_wake(tiny_models, agent,
+                                                                   reference):
+    """Job start (roles.prebuild_engines): Prepare builds both engines in their preloaded
+    hosts and puts them to sleep, the device staying idle; a shift up to either role then
+    wakes its engine (no build) and serves the model's own greedy tokens."""
+    from pivotrl_hpc.runtime.messages import Prepare, RoleKind, ShiftDown, ShiftUp, Shutdown
+    from pivotrl_hpc.runtime.worker import DeviceWorker, WorkerSpec
+
+    spec = WorkerSpec(model_dirs={m: str(tiny_models / m) for m in ("policy", "genrm")},
+                      engine_options={"policy": OPTS, "genrm": OPTS}, engine_process=True,
+                      device=5)
+    client = agent.client()
+    worker = DeviceWorker(spec, client)
+    try:
+        pids = worker.prewarm()[:2]
+        r = worker.handle(Prepare())
+        assert r.ok, r.error
+        assert r.result == {"built": ["policy", "genrm"]} and worker.role == RoleKind.IDLE
+        assert {"policy.preserved.engine_start", "policy.preserved.engine_sleep",
+                "genrm.preserved.engine_start", "genrm.preserved.engine_sleep"} <= set(r.phases)
+        hosts = worker.engines
+        assert [h.pid for h in hosts.values()] == pids   # built in the preloaded hosts
+        assert all(h.started and not h.awake for h in hosts.values())
+        assert worker.handle(Prepare()).result == {"built": []}  # nothing built twice
+        for role, model in ((RoleKind.REWARD, "genrm"), (RoleKind.ROLLOUT, "policy")):
+            up = worker.handle(ShiftUp(role))
+            assert up.ok, up.error
+            assert "preserved.engine_wake" in up.phases
+            assert not any("start" in k for k in up.phases), up.phases
+            want = reference[model] if model == "genrm" or hosts[model].version == 0 \
+                else reference["perturbed"]
+            assert _greedy_through(worker) == want
+            if role == RoleKind.ROLLOUT:
+                busy = worker.handle(Prepare())
+                assert not busy.ok and "only an idle device builds" in busy.error
+            assert worker.handle(ShiftDown()).ok
+    finally:  # the hosts end with the worker, also when an assertion failed
+        shut = worker.handle(Shutdown())
+        client.close()
+    assert shut.ok, shut.error

@@ -61,6 +61,10 @@ class RolesConfig:
     # Decode iterations per Step command: how often the controller hears from an inference
     # replica (and can Dispatch into the slots its finished sequences left)
     step_iterations: int = 4
+    # Build every engine on every device at job start, asleep, so that a shift up only wakes
+    # one (paper §5.2's preserved context). auto: "all" where devices change role (every
+    # paradigm but disaggregated), else "none".
+    prebuild_engines: Literal["auto", "all", "none"] = "auto"
 
 
 @dataclass

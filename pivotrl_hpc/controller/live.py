@@ -50,8 +50,17 @@ def loop_config(cfg: Config) -> LoopConfig:
         training_devices=tuple(range(r.train_devices)), steps=cfg.rl.steps,
         planner_interval_s=cfg.paradigm.planner_interval_s,
         log_interval_s=cfg.trace.log_interval_s, eval_every=cfg.rl.eval_every,
-        step_iterations=r.step_iterations,
+        step_iterations=r.step_iterations, prebuild=prebuild_models(cfg),
         ignore_eos_judge=cfg.workload.length_mode == "budget")
+
+
+def prebuild_models(cfg: Config) -> tuple[str, ...]:
+    """The engines every device builds at start (roles.prebuild_engines): none where each
+    device keeps one role for the whole job."""
+    mode = cfg.roles.prebuild_engines
+    if mode == "none" or (mode == "auto" and cfg.paradigm.name == "disaggregated"):
+        return ()
+    return ("policy", "genrm")
 
 
 def role_models(cfg: Config) -> dict[str, RoleModel]:

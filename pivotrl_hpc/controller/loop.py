@@ -33,8 +33,8 @@ from pivotrl_hpc.controller.shifts import Executor, TrainingUnit
 from pivotrl_hpc.engines.vllm.types import Sampling
 from pivotrl_hpc.plan.snapshot import GEN_ROLES, WorkloadSnapshot
 from pivotrl_hpc.plan.types import AllocationPolicy, ShiftPlan
-from pivotrl_hpc.runtime.messages import (QueryState, Reply, Shutdown, Step, TrainBatch,
-                                          TrainStep, WaitWrite)
+from pivotrl_hpc.runtime.messages import (Prepare, QueryState, Reply, Shutdown, Step,
+                                          TrainBatch, TrainStep, WaitWrite)
 from pivotrl_hpc.sched.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
@@ -53,6 +53,7 @@ class LoopConfig:
     eval_every: int = 0
     judge_greedy: bool = True
     ignore_eos_judge: bool = True
+    prebuild: tuple[str, ...] = ()        # engines every device builds asleep at start
 
 
 class Controller:
@@ -82,11 +83,13 @@ class Controller:
         self._eval_correct: dict[int, int] = {}
         self.checkpoints = None             # controller.checkpointing.Checkpointer (live)
         self.stop_reason: str | None = None  # set to end the job early (a requeue)
+        self.prebuilt_s: float | None = None  # when the last device's engines were built
 
     # --- the loop ----------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
         ok = False
         try:
+            self.prebuild()
             if self._bootstrap is not None:
                 self.executor.execute(self._bootstrap)
             while not self.done():
@@ -109,6 +112,28 @@ class Controller:
             self.trace.flush()  # readable whatever happens next (a dead worker gets us killed)
             # A failed run waits only briefly for answers: a dead worker never replies.
             self.shutdown(60.0 if ok else 5.0)
+
+    def prebuild(self) -> None:
+        """Prepare every device (its engines built, asleep) before anything else: the
+        commands queue behind it per device, so the loop does not wait here."""
+        if not self.cfg.prebuild:
+            return
+        left = set(self.devices.handles)
+
+        def done(replies: list[Reply]) -> None:
+            check_replies(replies)
+            r, now = replies[0], self.clock.now()
+            total = sum(v for k, v in r.phases.items() if k.endswith(".total"))
+            self.trace.append("events", t=now, kind="prepare",
+                              message=f"device {r.device}: {r.result['built']} built asleep "
+                                      f"in {total:.1f} s")
+            left.discard(r.device)
+            if not left:
+                self.prebuilt_s = now
+                log.info("every device prepared %s at %.1f s", self.cfg.prebuild, now)
+
+        for d in sorted(self.devices.handles):
+            self.devices.send((d,), Prepare(self.cfg.prebuild), done)
 
     @property
     def published(self) -> int:

@@ -187,6 +187,8 @@ class Reporter:
             "first_step_s": {r: statistics.fmean(v) for r, v in sorted(self._first.items())},
             # device-seconds not spent in Step or TrainStep (shifting counts as idle)
             "idle_fraction": self.idle_fraction(end),
+            # when every device had built its engines asleep (roles.prebuild_engines)
+            "prebuilt_s": ctl.prebuilt_s,
         }
 
     def steady_tokens_per_s(self) -> float | None:
@@ -214,6 +216,8 @@ def format_summary(s: dict[str, Any]) -> str:
              "  per role tokens/s: " + ", ".join(f"{r} {v:.1f}" for r, v in
                                                 s["role_tokens_per_s"].items()),
              f"  shifts: {s['shifts']} " + (str(s["shifts_by_kind"]) if s["shifts"] else "")]
+    if s.get("prebuilt_s") is not None:
+        lines.insert(2, f"  engines built asleep on every device by {s['prebuilt_s']:.1f} s")
     for kind, v in sorted(s["shift_seconds"].items()):
         lines.append(f"    {kind}: {v['count']} x {v['mean_s']:.2f} s")
     lines.append("  reward per step: " + ", ".join(

@@ -36,6 +36,15 @@ class ShiftDown:
 
 
 @dataclass(frozen=True)
+class Prepare:
+    """Build the engines of `models` now and put them to sleep, the worker staying idle: a
+    role's preserved context is built once, at job start (paper §5.2), so every later shift
+    up to it only wakes the engine. Workers without engine hosts keep one engine per process
+    and build nothing."""
+    models: tuple[str, ...] = ("policy", "genrm")
+
+
+@dataclass(frozen=True)
 class SeqRequest:
     seq_id: str
     prompt_ids: tuple[int, ...]
@@ -124,7 +133,7 @@ class Shutdown:
     pass
 
 
-Command = (ShiftUp | ShiftDown | AddSequences | Step | Abort | TrainStep | WaitWrite
+Command = (ShiftUp | ShiftDown | Prepare | AddSequences | Step | Abort | TrainStep | WaitWrite
            | Reload | SaveCheckpoint | QueryState | Shutdown)
 
 

@@ -23,7 +23,8 @@ from pivotrl_hpc.runtime import checkpoint
 from pivotrl_hpc.runtime.context import ContextKind, phase
 from pivotrl_hpc.runtime.messages import (
     ROLE_MODEL, Abort, AddSequences, Command, QueryState, Reload, Reply, RoleKind,
-    SaveCheckpoint, ShiftDown, ShiftUp, Shutdown, Step, TrainBatch, TrainStep, WaitWrite)
+    Prepare, SaveCheckpoint, ShiftDown, ShiftUp, Shutdown, Step, TrainBatch, TrainStep,
+    WaitWrite)
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +76,8 @@ class DeviceWorker:
         self._trainer_version: int | None = None  # ... this one
         self._params_discarded = False       # ... and were dropped on shift down
         self._handlers: dict[type, Callable[[Any], Any]] = {
-            ShiftUp: self._shift_up, ShiftDown: self._shift_down, AddSequences: self._add,
+            ShiftUp: self._shift_up, ShiftDown: self._shift_down, Prepare: self._prepare,
+            AddSequences: self._add,
             Step: self._step, Abort: self._abort, TrainStep: self._train_step,
             WaitWrite: self._wait_write, Reload: self._reload, QueryState: self._state,
             SaveCheckpoint: self._checkpoint, Shutdown: self._shutdown}
@@ -195,6 +197,27 @@ class DeviceWorker:
         else:
             raw = host.shift_up(read)
         return {_engine_phase(k): v for k, v in raw.items()}
+
+    def _prepare(self, cmd: Prepare) -> tuple[Any, dict[str, float]]:
+        """Build each engine of `cmd.models` not built yet and put it to sleep (hosts only:
+        an in-process worker keeps one engine per process, see `_inference_up`)."""
+        if self.role != RoleKind.IDLE:
+            raise RoleError(f"prepare while {self.role.value}: only an idle device builds")
+        built, phases = [], {}
+        for model in cmd.models if self.spec.engine_process else ():
+            host = self.engines.get(model)
+            if host is not None and host.started:
+                continue
+            t0 = time.perf_counter()
+            up = self._hosted_up(model, self.spec.inference_place, None)
+            down = self.engines[model].shift_down()
+            phases.update({f"{model}.{k}": v for k, v in up.items()})
+            phases.update({f"{model}.{_engine_phase(k)}": v for k, v in down.items()})
+            phases[f"{model}.total"] = time.perf_counter() - t0
+            built.append(model)
+        log.info("prepared %s asleep in %.2f s", built or "nothing",
+                 sum(v for k, v in phases.items() if k.endswith(".total")))
+        return {"built": built}, phases
 
     def prewarm(self) -> list[int]:
         """Start the engine hosts now (job start-up, before the device's CPU cap): their

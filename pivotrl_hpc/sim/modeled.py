@@ -17,9 +17,9 @@ from pathlib import Path
 from pivotrl_hpc.controller.clock import VirtualClock
 from pivotrl_hpc.engines.vllm.types import (AbortedSequence, FinishedSequence, SeqProgress,
                                             StepOutput)
-from pivotrl_hpc.runtime.messages import (Abort, AddSequences, Command, QueryState, Reload,
-                                          Reply, RoleKind, SaveCheckpoint, ShiftDown, ShiftUp,
-                                          Shutdown, Step, TrainStep, WaitWrite)
+from pivotrl_hpc.runtime.messages import (Abort, AddSequences, Command, Prepare, QueryState,
+                                          Reload, Reply, RoleKind, SaveCheckpoint, ShiftDown,
+                                          ShiftUp, Shutdown, Step, TrainStep, WaitWrite)
 from pivotrl_hpc.sched.model import ThroughputModel
 
 
@@ -124,6 +124,8 @@ class ModeledWorker:
             if cmd.role == RoleKind.ROLLOUT or cmd.role == RoleKind.TRAINING:
                 self.version = self.store.version
             return {"version": self.version}, self.shift_up_s[cmd.role.value]
+        if isinstance(cmd, Prepare):  # modeled shifts are warm: nothing to build
+            return {"built": list(cmd.models)}, 0.0
         if isinstance(cmd, ShiftDown):
             back = self._abort(None)
             role, self.role = self.role.value, RoleKind.IDLE
