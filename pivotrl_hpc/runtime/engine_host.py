@@ -236,6 +236,9 @@ class EngineHost:
     def step(self) -> StepOutput:
         return self.call("step")
 
+    def steps(self, n: int) -> list[StepOutput]:
+        return self.call("steps", n)
+
     def abort(self, seq_ids: Sequence[str] | None = None) -> list[AbortedSequence]:
         return self.call("abort", None if seq_ids is None else list(seq_ids))
 

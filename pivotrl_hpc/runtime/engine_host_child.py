@@ -148,6 +148,9 @@ class _Host:
     def do_step(self):
         return self.engine.step()
 
+    def do_steps(self, n: int):
+        return self.engine.steps(n)
+
     def do_abort(self, seq_ids):
         return self.engine.abort(seq_ids)
 

@@ -326,7 +326,7 @@ class DeviceWorker:
 
     def _step(self, cmd: Step) -> tuple[Any, dict]:
         engine = self._engine()
-        return [engine.step() for _ in range(cmd.iterations)], {}
+        return engine.steps(cmd.iterations), {}
 
     def _abort(self, cmd: Abort) -> tuple[Any, dict]:
         """Abort the named sequences that still run here. A named one that already finished

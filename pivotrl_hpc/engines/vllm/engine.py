@@ -244,6 +244,11 @@ class VLLMEngine:
                 self._forget(seq_id)
         return StepOutput(progress, finished, time.perf_counter() - t0)
 
+    def steps(self, n: int) -> list[StepOutput]:
+        """`n` iterations, each reported as `step` does (an engine host runs them in one call,
+        so a worker's Step costs one round trip, not n)."""
+        return [self.step() for _ in range(n)]
+
     def abort(self, seq_ids: Iterable[str] | None = None) -> list[AbortedSequence]:
         """Stop sequences (all when `seq_ids` is None), free their KV cache and hand back
         what they generated so that a re-submission resumes where they stopped."""
