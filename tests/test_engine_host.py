@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-from pivotrl_hpc.engines.ports import free_port
 import subprocess
 import sys
 import threading
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from pivotrl_hpc.engines.ports import free_port
 from pivotrl_hpc.engines.vllm.types import EngineOptions, Sampling
 from pivotrl_hpc.runtime.engine_host import (EngineHost, EngineHostError, GPSRead, TPWorld,
                                              fork_server_pid, spmd)
@@ -363,13 +363,14 @@ def test_prepare_builds_every_engine_asleep_so_shift_ups_only_wake(tiny_models, 
         pids = worker.prewarm()[:2]
         r = worker.handle(Prepare())
         assert r.ok, r.error
-        assert r.result == {"built": ["policy", "genrm"]} and worker.role == RoleKind.IDLE
+        assert r.result["built"] == ["policy", "genrm"] and worker.role == RoleKind.IDLE
+        assert r.result["seconds"] >= r.phases["policy.total"] + r.phases["genrm.total"]
         assert {"policy.preserved.engine_start", "policy.preserved.engine_sleep",
                 "genrm.preserved.engine_start", "genrm.preserved.engine_sleep"} <= set(r.phases)
         hosts = worker.engines
         assert [h.pid for h in hosts.values()] == pids   # built in the preloaded hosts
         assert all(h.started and not h.awake for h in hosts.values())
-        assert worker.handle(Prepare()).result == {"built": []}  # nothing built twice
+        assert worker.handle(Prepare()).result == {"built": [], "seconds": 0.0}  # not twice
         for role, model in ((RoleKind.REWARD, "genrm"), (RoleKind.ROLLOUT, "policy")):
             up = worker.handle(ShiftUp(role))
             assert up.ok, up.error

@@ -6,11 +6,10 @@ crashes (NOTES.md); the config refuses EP > 1 on CPU devices (test_config.py).
 """
 from __future__ import annotations
 
-from pivotrl_hpc.engines.ports import free_port
-
 import pytest
 import torch
 
+from pivotrl_hpc.engines.ports import free_port
 from pivotrl_hpc.engines.vllm.types import EngineOptions, Sampling
 
 pytest.importorskip("vllm")

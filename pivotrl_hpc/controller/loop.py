@@ -123,10 +123,9 @@ class Controller:
         def done(replies: list[Reply]) -> None:
             check_replies(replies)
             r, now = replies[0], self.clock.now()
-            total = sum(v for k, v in r.phases.items() if k.endswith(".total"))
             self.trace.append("events", t=now, kind="prepare",
                               message=f"device {r.device}: {r.result['built']} built asleep "
-                                      f"in {total:.1f} s")
+                                      f"in {r.result['seconds']:.1f} s")
             left.discard(r.device)
             if not left:
                 self.prebuilt_s = now

@@ -38,18 +38,23 @@ def port_window() -> tuple[int, int]:
     return 1024, 65536
 
 
+def aligned_window(step: int) -> tuple[int, int]:
+    """`port_window` with its start rounded up to a multiple of `step` (range bases)."""
+    start, end = port_window()
+    return -(-start // step) * step, end
+
+
 def free_port_base(count: int, tries: int = 50) -> int:
     """A base port with `count` free ports above it (checked by binding each), outside the
     ephemeral range."""
-    start, end = port_window()
-    first = -(-start // STEP) * STEP
+    first, end = aligned_window(STEP)
     if end - count <= first:
-        raise OSError(f"no window of {count} ports between {start} and {end}")
+        raise OSError(f"no window of {count} ports between {first} and {end}")
     for _ in range(tries):
         base = random.randrange(first, end - count, STEP)
         if all(port_free(base + i) for i in range(count)):
             return base
-    raise OSError(f"no range of {count} free TCP ports found between {start} and {end}")
+    raise OSError(f"no range of {count} free TCP ports found between {first} and {end}")
 
 
 def free_port() -> int:

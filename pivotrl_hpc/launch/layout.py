@@ -208,8 +208,8 @@ def port_base(job: str, env: Mapping[str, str]) -> int:
     (every rank of every node derives the same one)."""
     if env.get("PIVOTRL_PORT_BASE"):
         return int(env["PIVOTRL_PORT_BASE"])
-    start, end = ports.port_window()  # outside the ephemeral range (engines.ports says why)
-    first = -(-start // PORTS_PER_JOB) * PORTS_PER_JOB
+    # outside the ephemeral range (engines.ports says why)
+    first, end = ports.aligned_window(PORTS_PER_JOB)
     slots = max(1, (end - first) // PORTS_PER_JOB - 1)
     return first + int(hashlib.sha1(job.encode()).hexdigest(), 16) % slots * PORTS_PER_JOB
 

@@ -77,8 +77,8 @@ class DeviceWorker:
         self._params_discarded = False       # ... and were dropped on shift down
         self._handlers: dict[type, Callable[[Any], Any]] = {
             ShiftUp: self._shift_up, ShiftDown: self._shift_down, Prepare: self._prepare,
-            AddSequences: self._add,
-            Step: self._step, Abort: self._abort, TrainStep: self._train_step,
+            AddSequences: self._add, Step: self._step, Abort: self._abort,
+            TrainStep: self._train_step,
             WaitWrite: self._wait_write, Reload: self._reload, QueryState: self._state,
             SaveCheckpoint: self._checkpoint, Shutdown: self._shutdown}
 
@@ -203,21 +203,21 @@ class DeviceWorker:
         an in-process worker keeps one engine per process, see `_inference_up`)."""
         if self.role != RoleKind.IDLE:
             raise RoleError(f"prepare while {self.role.value}: only an idle device builds")
-        built, phases = [], {}
-        for model in cmd.models if self.spec.engine_process else ():
+        built, phases, t0 = [], {}, time.perf_counter()
+        for model in cmd.models:
             host = self.engines.get(model)
-            if host is not None and host.started:
+            if not self.spec.engine_process or (host is not None and host.started):
                 continue
-            t0 = time.perf_counter()
+            t1 = time.perf_counter()
             up = self._hosted_up(model, self.spec.inference_place, None)
             down = self.engines[model].shift_down()
             phases.update({f"{model}.{k}": v for k, v in up.items()})
             phases.update({f"{model}.{_engine_phase(k)}": v for k, v in down.items()})
-            phases[f"{model}.total"] = time.perf_counter() - t0
+            phases[f"{model}.total"] = time.perf_counter() - t1
             built.append(model)
-        log.info("prepared %s asleep in %.2f s", built or "nothing",
-                 sum(v for k, v in phases.items() if k.endswith(".total")))
-        return {"built": built}, phases
+        seconds = time.perf_counter() - t0 if built else 0.0
+        log.info("prepared %s asleep in %.2f s", built or "nothing", seconds)
+        return {"built": built, "seconds": seconds}, phases
 
     def prewarm(self) -> list[int]:
         """Start the engine hosts now (job start-up, before the device's CPU cap): their

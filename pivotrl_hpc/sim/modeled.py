@@ -125,7 +125,7 @@ class ModeledWorker:
                 self.version = self.store.version
             return {"version": self.version}, self.shift_up_s[cmd.role.value]
         if isinstance(cmd, Prepare):  # modeled shifts are warm: nothing to build
-            return {"built": list(cmd.models)}, 0.0
+            return {"built": list(cmd.models), "seconds": 0.0}, 0.0
         if isinstance(cmd, ShiftDown):
             back = self._abort(None)
             role, self.role = self.role.value, RoleKind.IDLE
