@@ -165,23 +165,34 @@ def test_the_hdf5_trace_proves_nothing_was_lost(tmp_path):
     assert planner["executed"].sum() >= 1
 
 
-def test_throughput_constants_are_fitted_online_from_the_replicas():
+@pytest.mark.parametrize("overhead_s", [0.0, 0.02])
+def test_throughput_constants_are_fitted_online_from_the_replicas(overhead_s):
+    """The fit recovers the modeled engine's latency law plus, per iteration, what a Step
+    costs beyond its iterations (a reply `overhead_s` late): the round trip is what a
+    replica delivers, so the planner must see it."""
     from controller_util import POLICY
     from pivotrl_hpc.controller.monitor import RoleModel
     from pivotrl_hpc.sched.model import ThroughputModel
 
     trace = Rows()
-    ctl, _ = make_controller("shiftable", bootstrap=split_bootstrap(), trace=trace, steps=4)
+    ctl, workers = make_controller("shiftable", bootstrap=split_bootstrap(), trace=trace,
+                                   steps=4)
+    for w in workers:
+        w.step_overhead_s = {"rollout": overhead_s}
     start = ThroughputModel(1e-5, 0.05, 1e-3, 0.01)  # a poor guess
-    ctl.models["rollout"] = RoleModel(start, fixed=False, min_samples=12, refit_every=12)
+    # window 0: every Step a sample (the modeled Steps have no quota noise to pool away)
+    ctl.models["rollout"] = RoleModel(start, fixed=False, min_samples=12, refit_every=12,
+                                      window_s=0.0)
     ctl.flows["rollout"].sched.model = start
     ctl.run()
     fits = [r for r in trace.rows["fits"] if r["role"] == "rollout"]
     assert fits and fits[-1]["error"] < 0.02
     fitted = ctl.flows["rollout"].sched.model
     assert fitted is ctl.models["rollout"].model and fitted != start
+    per_iteration = overhead_s / ctl.cfg.step_iterations
     for n, t in ((1, 20), (8, 200), (32, 900)):  # the modeled engine's own latency law
-        assert fitted.latency(n, t) == pytest.approx(POLICY.latency(n, t), rel=0.05)
+        assert fitted.latency(n, t) == pytest.approx(POLICY.latency(n, t) + per_iteration,
+                                                     rel=0.05)
 
 
 def test_tp2_replicas_under_kv_pressure_resume_exactly():

@@ -71,19 +71,19 @@ def test_a_late_finish_engine_steps_one_iteration_at_a_time():
     assert [f.seq_id for f in step(w, 1)[0].finished] == ["a"]
 
 
-def test_the_fit_gets_each_blocks_mean_at_its_middle_token_count():
-    from pivotrl_hpc.controller.flow import RoleFlow, SeqRecord
-    from pivotrl_hpc.sched.scheduler import Scheduler
-    from pivotrl_hpc.sched.state import Replica
+def test_the_fit_gets_each_windows_mean_at_its_middle_token_count():
+    """Steps pool per replica until the window holds window_s seconds; the sample is the
+    mean seconds per iteration at the mean load (sequences, middle-iteration tokens)."""
+    from pivotrl_hpc.controller.monitor import RoleModel
 
-    flow = RoleFlow("rollout", Scheduler(MODEL), lambda rec, now: None, lambda *a: None)
-    flow.sched.add_replica(Replica("r0", 10_000))
-    for sid in (7, 8):
-        flow.submit(SeqRecord(sid, "rollout", (1, 2, 3), 10, Sampling()))
-    flow.sched.dispatch()
-    flow.place_ids("r0", [7, 8])
-    seen = []
-    out = StepOutput([], [], seconds=4 * 0.5, iterations=4)
-    flow.on_step("r0", [out], 0.0, lambda n, t, s: seen.append((n, t, s)), {7: 1, 8: 1})
-    # 2 sequences of 3 tokens; iterations at 6, 8, 10, 12 tokens: the middle is 9
-    assert seen == [(2, 9, 0.5)]
+    m = RoleModel(MODEL, fixed=False, min_samples=10**6, window_s=1.0)
+    # 2 sequences of 3 tokens, 4 iterations at 6, 8, 10, 12 tokens: the middle is 9
+    assert m.observe_step("r0", 2, 6, 4, 0.6) is None and m.samples == []
+    m.observe_step("r1", 2, 6, 4, 0.9)          # another replica: its own window
+    assert m.samples == []
+    m.observe_step("r0", 4, 14, 2, 0.6)         # 2 iterations at 14, 18 tokens: middle 16
+    # 6 iterations in 1.2 s; sequences (4 x 2 + 2 x 4) / 6 = 2.67 -> 3;
+    # tokens (4 x 9 + 2 x 16) / 6 = 11.3 -> 11
+    assert [(s.n_seq, s.n_tok, s.latency) for s in m.samples] == [(3, 11, pytest.approx(0.2))]
+    m.observe_step("r0", 2, 6, 4, 0.6)          # the window starts again
+    assert len(m.samples) == 1

@@ -124,15 +124,11 @@ class RoleFlow:
         return {sid: self.records[sid].epoch for sid in r.seqs} if r is not None else {}
 
     def on_step(self, replica: str, outputs: list[StepOutput], now: float,
-                observe: Callable[[int, int, float], None], epochs: dict[int, int]) -> int:
+                epochs: dict[int, int]) -> int:
         """Apply one Step reply of `replica`, sent when its sequences had `epochs`; returns
         the new tokens counted."""
-        r = self.sched.replicas.get(replica)
         new, advanced = 0, set()
         for out in outputs:
-            if r is not None:   # k iterations at once: their mean, at the middle one's tokens
-                k = out.iterations
-                observe(r.n_seq, r.n_tok + r.n_seq * (k - 1) // 2, out.seconds / k)
             done = {f.seq_id for f in out.finished}
             for p in out.progress:
                 sid = int(p.seq_id)

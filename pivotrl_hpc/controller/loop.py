@@ -227,26 +227,29 @@ class Controller:
                 if r.n_seq and not any(self.devices.busy(d) for d in info.devices):
                     self.devices.send(info.devices, Step(self.cfg.step_iterations),
                                       self._stepped(role, rid, flow.placements(rid),
-                                                    self.clock.now(), info.devices))
+                                                    (r.n_seq, r.n_tok), self.clock.now(),
+                                                    info.devices))
 
-    def _stepped(self, role: str, rid: str, epochs: dict[int, int], sent: float,
-                 devices: tuple[int, ...]):
+    def _stepped(self, role: str, rid: str, epochs: dict[int, int], load: tuple[int, int],
+                 sent: float, devices: tuple[int, ...]):
         def done(replies: list[Reply]) -> None:
             check_replies(replies)
             outputs, now = replies[0].result, self.clock.now()
             # what the Step cost beyond its engine iterations (the round trip through the
             # worker and its engine host, the loop's own turn), and a first Step's warm-up
-            self.report.step_timing(role, devices, now - sent,
-                                    sum(o.seconds for o in outputs))
-            new = self.flows[role].on_step(rid, outputs, now,
-                                           lambda n, t, s: self._observe(role, n, t, s),
-                                           epochs)
+            first = self.report.step_timing(role, devices, now - sent,
+                                            sum(o.seconds for o in outputs))
+            if not first:   # a first Step's warm-up is no decode iteration
+                self._observe(role, rid, load, sum(o.iterations for o in outputs), now - sent)
+            new = self.flows[role].on_step(rid, outputs, now, epochs)
             self.report.tokens(role, new)
         return done
 
-    def _observe(self, role: str, n_seq: int, n_tok: int, seconds: float) -> None:
-        """One decode step's latency -> the online fit; Dispatch uses the model in use."""
-        fit = self.models[role].observe(n_seq, n_tok, seconds)
+    def _observe(self, role: str, rid: str, load: tuple[int, int], iterations: int,
+                 seconds: float) -> None:
+        """One Step's round trip, with the load it was sent with -> the online fit
+        (monitor.RoleModel pools Steps into windows); Dispatch uses the model in use."""
+        fit = self.models[role].observe_step(rid, *load, iterations, seconds)
         if fit is not None:
             self.flows[role].sched.model = self.models[role].model
             self.report.fit(role, fit)

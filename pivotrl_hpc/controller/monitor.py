@@ -1,7 +1,14 @@
 """The monitor (paper §7.1): the workload snapshot the policy decides on, and the
 throughput constants A-D per role — from a `pivotrl profile` file when the config names one,
 otherwise fitted online from the replicas' own step measurements (`sched.fit`) and refreshed
-as samples accumulate (the paper profiles offline only)."""
+as samples accumulate (the paper profiles offline only).
+
+An online sample is a replica's Step as the controller saw it — from sending the Step to
+applying its reply — not the engine's own iteration time: the round trip through the worker
+and the loop's turn are part of what a replica delivers, and on a device capped by a cgroup
+quota the wait for the next quota period falls anywhere in that round trip. Steps are pooled
+per (replica, running sequences) into windows of `window_s` seconds, so that one sample
+spans several quota periods instead of landing in one period's fast or throttled half."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -26,6 +33,27 @@ class RoleModel:
     refit_every: int = 48
     max_samples: int = 4096
     max_error: float = 0.5               # a worse fit is traced but not used
+    window_s: float = 0.3                # pooled Step seconds per sample (3 quota periods)
+    _windows: dict[str, list[float]] = field(default_factory=dict)
+
+    def observe_step(self, replica: str, n_seq: int, n_tok: int, iterations: int,
+                     seconds: float) -> FitResult | None:
+        """One Step of `iterations` engine iterations that started with `n_seq` sequences
+        holding `n_tok` tokens and took `seconds` round trip, pooled into the replica's
+        window; a full window (`window_s` seconds) becomes one sample: the mean latency of
+        an iteration at the mean load (exact where the latency is linear in the load, i.e.
+        on one side of the model's B/C breakpoint)."""
+        if self.fixed or n_seq <= 0 or iterations <= 0 or seconds <= 0:
+            return None
+        w = self._windows.setdefault(replica, [0.0, 0.0, 0.0, 0.0])
+        w[0] += iterations
+        w[1] += iterations * n_seq
+        w[2] += iterations * (n_tok + n_seq * (iterations - 1) / 2)   # at the middle one
+        w[3] += seconds
+        if w[3] < self.window_s:
+            return None
+        del self._windows[replica]
+        return self.observe(round(w[1] / w[0]), round(w[2] / w[0]), w[3] / w[0])
 
     def observe(self, n_seq: int, n_tok: int, seconds: float) -> FitResult | None:
         """Record one decode step; refit when enough new samples came in. Returns the new

@@ -52,12 +52,16 @@ class Reporter:
                           version=-1 if rec.version is None else rec.version)
 
     def step_timing(self, role: str, devices: tuple[int, ...], wall_s: float,
-                    engine_s: float) -> None:
+                    engine_s: float) -> bool:
+        """Records one Step's timing; True when it was the first Step of this engine in
+        the job (its wall time is mostly warm-up)."""
         total, n = self._overhead.get(role, (0.0, 0))
         self._overhead[role] = (total + max(0.0, wall_s - engine_s), n + 1)
-        if (role, devices) not in self._stepped:   # the first Step of this engine in the job
-            self._stepped.add((role, devices))
-            self._first.setdefault(role, []).append(wall_s)
+        if (role, devices) in self._stepped:
+            return False
+        self._stepped.add((role, devices))
+        self._first.setdefault(role, []).append(wall_s)
+        return True
 
     def tokens(self, role: str, n: int) -> None:
         self._window[role] += n
