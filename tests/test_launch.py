@@ -121,12 +121,24 @@ def test_cgroup_files_v1_and_v2(tmp_path):
         assert cap.group == base / "pivotrl-j" / "n0-d1" and cap.cores == 0.2
         assert (cap.group / "cgroup.procs").read_text() == "1234"
         if version == 1:
-            assert (cap.group / "cpu.cfs_quota_us").read_text() == "20000"
-            assert (cap.group / "cpu.cfs_period_us").read_text() == "100000"
+            assert (cap.group / "cpu.cfs_quota_us").read_text() == "2000"
+            assert (cap.group / "cpu.cfs_period_us").read_text() == "10000"
         else:
-            assert (cap.group / "cpu.max").read_text() == "20000 100000"
+            assert (cap.group / "cpu.max").read_text() == "2000 10000"
             assert (base / "cgroup.subtree_control").read_text() == "+cpu"
             assert (base / "pivotrl-j" / "cgroup.subtree_control").read_text() == "+cpu"
+
+
+def test_cgroup_period_keeps_small_shares_exact():
+    """10 ms periods; a share whose quota would fall under the kernel's 1 ms minimum gets a
+    longer period, never a larger share."""
+    assert cgroup.quota_and_period(0.2) == (2000, 10000)
+    assert cgroup.quota_and_period(1.5) == (15000, 10000)
+    assert cgroup.quota_and_period(0.05) == (1000, 20000)
+    assert cgroup.quota_and_period(0.0004) == (1000, 1_000_000)   # the kernel's bounds
+    for cores in (0.01, 0.03, 0.07, 0.2, 0.33):
+        quota, period = cgroup.quota_and_period(cores)
+        assert quota / period == pytest.approx(cores, rel=0.01)
 
 
 # ---- the CLI: checks before any process -------------------------------------------------------

@@ -209,9 +209,11 @@ def test_a_first_step_warm_up_is_measured_once_per_engine_and_modeled(tiny_model
     warm = {"rollout": 7.0, "reward": 3.0}
     slow = simulate(cfg, replace(SimConstants.from_config(cfg), first_step_s=warm),
                     tmp_path / "warm.h5")
-    for role, extra in warm.items():
-        assert extra < slow["first_step_s"][role] < extra + 1.0, slow["first_step_s"]
-        assert summary["first_step_s"][role] < 1.0
+    for role, extra in warm.items():   # the warm-up on top of an ordinary first Step
+        plain = summary["first_step_s"][role]
+        assert plain < 2.0
+        assert slow["first_step_s"][role] == pytest.approx(extra + plain, abs=0.5), (
+            slow["first_step_s"], summary["first_step_s"])
     assert slow["seconds"] > summary["seconds"] + 3.0
     got = SimConstants.from_trace(tmp_path / "warm.h5", cfg).first_step_s
     assert got == pytest.approx(slow["first_step_s"])
