@@ -165,6 +165,20 @@ def test_the_hdf5_trace_proves_nothing_was_lost(tmp_path):
     assert planner["executed"].sum() >= 1
 
 
+def test_virtual_time_plans_on_an_event_at_once_not_at_the_next_tick():
+    """The live loop plans within milliseconds of an event (a step done, a shift done); in
+    virtual time the loop must not sleep to the next planner tick first. Colocated: training
+    shifts down right after each step, so the shift ends its own seconds later."""
+    trace = Rows()
+    ctl, _, _ = run("colocated", trace=trace)
+    steps = [r["t"] for r in trace.rows["steps"]]
+    downs = [r for r in trace.rows["shifts"]
+             if r["role"] == "training" and r["direction"] == "down"]
+    assert len(downs) == len(steps) - 1 and ctl.cfg.planner_interval_s == 0.5
+    for step_t, down in zip(steps, downs):
+        assert down["t"] == pytest.approx(step_t + down["seconds"], abs=1e-6)
+
+
 @pytest.mark.parametrize("overhead_s", [0.0, 0.02])
 def test_throughput_constants_are_fitted_online_from_the_replicas(overhead_s):
     """The fit recovers the modeled engine's latency law plus, per iteration, what a Step

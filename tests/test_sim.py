@@ -194,8 +194,29 @@ def test_a_live_runs_step_overhead_is_measured_and_modeled(tiny_models, shiftabl
                     tmp_path / "slow.h5")
     assert slow["step_overhead_s"] == pytest.approx(want)
     assert slow["seconds"] > summary["seconds"]
-    assert SimConstants.from_trace(tmp_path / "slow.h5", cfg).step_overhead_s == \
-        pytest.approx(want)
+    got = SimConstants.from_trace(tmp_path / "slow.h5", cfg)
+    assert got.step_overhead_s == pytest.approx(want)
+
+
+def test_from_trace_gives_the_fits_d_back_the_step_overhead(tiny_models, tmp_path):
+    """The loop's fits are of Step round trips, so they hold a Step's overhead, which the
+    modeled workers charge on their own: `from_trace` takes an iteration's share of it off
+    each fit's D (never below 0), or the simulator would charge it twice."""
+    from pivotrl_hpc.trace.writer import TraceWriter
+
+    cfg = _cfg(tiny_models)
+    path = tmp_path / "live.h5"
+    with TraceWriter(path) as w:
+        w.append("fits", t=1.0, role="rollout", A=1e-4, B=0.01, C=0.002, D=0.05, error=0.1,
+                 samples=24)
+        w.append("fits", t=2.0, role="reward", A=1e-5, B=0.05, C=0.01, D=0.001, error=0.1,
+                 samples=24)
+        w.close({"step_overhead_s": {"rollout": 0.04, "reward": 0.02}})
+    got = SimConstants.from_trace(path, cfg).throughput
+    k = cfg.roles.step_iterations
+    assert got["policy"].to_dict() == pytest.approx({"A": 1e-4, "B": 0.01, "C": 0.002,
+                                                     "D": 0.05 - 0.04 / k})
+    assert got["genrm"].D == 0.0 and got["genrm"].C == pytest.approx(0.01)
 
 
 def test_a_first_step_warm_up_is_measured_once_per_engine_and_modeled(tiny_models, shiftable,

@@ -161,11 +161,21 @@ class Controller:
         if got is not None:
             self._execute(*got)
         now = self.clock.now()
-        if (self.decider.busy or self.executor.book.in_flight or self.training.shifting
-                or not (self._events or now >= self._plan_at)):
+        if not self._plan_due(now):
             return
         self._events, self._plan_at = False, now + self.cfg.planner_interval_s
         self.decider.start(self.policy, self.snapshot())
+        # An inline decider (virtual time) has its plan already: carry it out now, as the
+        # live loop does within milliseconds, not at the next planner tick.
+        got = self.decider.poll()
+        if got is not None:
+            self._execute(*got)
+
+    def _plan_due(self, now: float) -> bool:
+        """A decision may start: nothing decided or shifting now, and an event came in or
+        the planner interval passed."""
+        return not (self.decider.busy or self.executor.book.in_flight
+                    or self.training.shifting) and (self._events or now >= self._plan_at)
 
     def _execute(self, snap: WorkloadSnapshot, plan: ShiftPlan | None, report: Any,
                  seconds: float) -> None:
@@ -366,6 +376,8 @@ class Controller:
             # a zero-second command (Abort, AddSequences) answered at once: take it now, not
             # at the next tick (the sequence it moves would sit on two replicas meanwhile)
             return now
+        if self._events and self._plan_due(now):
+            return now   # an event came in after this turn's planning: plan on it now
         due = [self._plan_at, self.report.next_tick, reply]
         later = [t for t in due if t is not None and t > now]
         return min(later) if later else now + self.cfg.planner_interval_s

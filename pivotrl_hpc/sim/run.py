@@ -97,7 +97,10 @@ class SimConstants:
     @classmethod
     def from_trace(cls, path: str | Path, cfg: Config) -> "SimConstants":
         """What a live run measured: mean shift seconds per role and direction, its last
-        throughput fits, its median training step. Missing figures fall back to `cfg`."""
+        throughput fits, its median training step. Missing figures fall back to `cfg`.
+        The live fits are of Step round trips (controller/monitor.py), so they already hold
+        the Step's overhead, which the modeled worker charges on its own: each fit's D gives
+        back that overhead's share of an iteration."""
         from pivotrl_hpc.trace import open_trace
 
         base = cls.from_config(cfg)
@@ -112,17 +115,19 @@ class SimConstants:
                 if vals:
                     means[way][role] = statistics.fmean(vals)
         models = dict(base.throughput)
+        overhead = dict(measured.get("step_overhead_s", {}))
         for role, model in (("rollout", "policy"), ("reward", "genrm")):
             rows = [i for i, r in enumerate(fits["role"]) if r == role]
             if rows:
-                i = rows[-1]
-                models[model] = ThroughputModel(*(float(fits[k][i]) for k in "ABCD"))
+                a, b, c, d = (float(fits[k][i]) for k in "ABCD" for i in rows[-1:])
+                d = max(0.0, d - overhead.get(role, 0.0) / cfg.roles.step_iterations)
+                models[model] = ThroughputModel(a, b, c, d)
         train = statistics.median(steps["seconds"]) if len(steps["seconds"]) else base.train_s
         starts = shifts["t"] - shifts["seconds"]
         startup = float(starts.min()) if len(starts) else 0.0
         return cls({**base.shift_up_s, **means["up"]}, {**base.shift_down_s, **means["down"]},
                    float(train), models, f"trace {path}", max(startup, 0.0),
-                   step_overhead_s=dict(measured.get("step_overhead_s", {})),
+                   step_overhead_s=overhead,
                    first_step_s=dict(measured.get("first_step_s", {})))
 
 
