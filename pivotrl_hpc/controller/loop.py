@@ -157,9 +157,7 @@ class Controller:
 
     # --- planning ----------------------------------------------------------------------
     def maybe_plan(self) -> None:
-        got = self.decider.poll()
-        if got is not None:
-            self._execute(*got)
+        self._take_decision()
         now = self.clock.now()
         if not self._plan_due(now):
             return
@@ -167,6 +165,9 @@ class Controller:
         self.decider.start(self.policy, self.snapshot())
         # An inline decider (virtual time) has its plan already: carry it out now, as the
         # live loop does within milliseconds, not at the next planner tick.
+        self._take_decision()
+
+    def _take_decision(self) -> None:
         got = self.decider.poll()
         if got is not None:
             self._execute(*got)

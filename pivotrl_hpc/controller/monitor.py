@@ -7,8 +7,8 @@ An online sample is a replica's Step as the controller saw it — from sending t
 applying its reply — not the engine's own iteration time: the round trip through the worker
 and the loop's turn are part of what a replica delivers, and on a device capped by a cgroup
 quota the wait for the next quota period falls anywhere in that round trip. Steps are pooled
-per (replica, running sequences) into windows of `window_s` seconds, so that one sample
-spans several quota periods instead of landing in one period's fast or throttled half."""
+per replica into windows of `window_s` seconds, so that one sample spans several quota
+periods instead of landing in one period's fast or throttled half."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -119,7 +119,7 @@ class SimConstants:
         for role, model in (("rollout", "policy"), ("reward", "genrm")):
             rows = [i for i, r in enumerate(fits["role"]) if r == role]
             if rows:
-                a, b, c, d = (float(fits[k][i]) for k in "ABCD" for i in rows[-1:])
+                a, b, c, d = (float(fits[k][rows[-1]]) for k in "ABCD")
                 d = max(0.0, d - overhead.get(role, 0.0) / cfg.roles.step_iterations)
                 models[model] = ThroughputModel(a, b, c, d)
         train = statistics.median(steps["seconds"]) if len(steps["seconds"]) else base.train_s
