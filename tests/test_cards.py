@@ -60,7 +60,7 @@ def test_simulate_runs_a_paper_group_without_its_folders(group):
     responses are cut to ~1 % of the paper's lengths to keep the suite fast (a paper-length
     step takes minutes of wall time: NOTES, "Profiles")."""
     p = subprocess.run([sys.executable, "-m", "pivotrl_hpc.cli.main", "simulate",
-                        str(ROOT / "configs" / group), "--paradigms", "shiftable",
+                        str(ROOT / "configs" / group), "--paradigms", "shiftable", "--no-search",
                         "rl.steps=1", "workload.rollout_median=25",
                         "workload.genrm_median=15"], capture_output=True, text=True,
                        timeout=300)

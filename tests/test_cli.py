@@ -25,13 +25,15 @@ HELP = {
     ("bench", "dispatch"): ["--replicas", "--sequences", "--repeats", "--json"],
     ("bench", "gps"): ["--size-mb", "--readers", "--transport", "--no-replicate", "--json"],
     ("bench", "shift"): ["--sizes", "--repeat", "--models-dir", "--json"],
-    ("bench", "e2e"): ["--config", "--steps", "--paradigms", "overrides"],
+    ("bench", "e2e"): ["--config", "--steps", "--paradigms", "--batch-size", "--no-search",
+                      "overrides"],
     ("bench", "sim"): ["--gpus", "--steps", "--config", "--paradigm", "--json"],
     ("bench", "migration"): ["--model", "--running", "--migrate", "--replicas", "--rounds"],
     ("bench", "soak"): ["--config", "--steps", "--early", "--tolerance", "--out", "overrides"],
     ("bench", "gpu"): ["--device", "--sizes-mb", "--train", "--repeats", "--no-nixl", "--json"],
     ("export",): ["RUN_OR_CHECKPOINT", "--out", "--force", "--json"],
-    ("simulate",): ["config", "--paradigms", "--from-trace", "--train-seconds", "--out"],
+    ("simulate",): ["config", "--paradigms", "--from-trace", "--train-seconds", "--out",
+                    "--no-search"],
     ("reproduce",): ["--out", "--only", "--quick", "--steps", "--seeds", "--jobs"],
     ("report",): ["trace", "--out"],
     ("profile",): ["throughput", "links"],
@@ -218,10 +220,11 @@ def test_bench_shift_json_smoke(tiny_models):
     assert {k.split(".")[1] for k in train["down_phases"] if k.count(".") == 2} == {"offload"}
 
 
-def test_bench_e2e_searches_both_static_baselines_and_computes_speedups(tiny_models):
-    """The split search candidates (disaggregated: rollout/reward of the non-training pool;
-    rr_colocated: training devices in whole TP groups whose DP splits the batch) and the
-    speed-ups on the steady figure. The runs themselves are `pivotrl run` (test_learning)."""
+def test_bench_e2e_searches_each_paradigms_allocation_and_computes_speedups(tiny_models):
+    """The search candidates (the training width, in whole TP groups whose DP splits the
+    batch, for disaggregated, rr_colocated and shiftable; disaggregated also its
+    rollout/reward split of the rest), --no-search's pick, and the speed-ups on the steady
+    figure. The runs themselves are `pivotrl run` (test_learning)."""
     import argparse
 
     from pivotrl_hpc.cli import bench_e2e
@@ -232,11 +235,26 @@ def test_bench_e2e_searches_both_static_baselines_and_computes_speedups(tiny_mod
                  f"data.validation={tiny_models / 'data' / 'validation.jsonl'}"]
     args = argparse.Namespace(config="configs/tiny-cpu.yaml", overrides=overrides,
                               no_search=False, steps=3, repeats=1)
-    dis = bench_e2e.candidates(args, "disaggregated")    # pool 4, reward replicas of 2
-    assert dis == [["paradigm.initial_rollout_devices=2", "paradigm.initial_reward_devices=2"]]
-    rr = bench_e2e.candidates(args, "rr_colocated")      # TP 2: 2, 4, 6 devices; 16 rows
+    # widths 2 and 4 (8 leaves no room for a GenRM replica); reward replicas of 2 devices
+    dis = bench_e2e.candidates(args, "disaggregated")
+    assert [[x.rsplit("=", 1)[1] for x in c] for c in dis] == [
+        ["2", "4", "2"], ["2", "2", "4"], ["4", "2", "2"]]
+    rr = bench_e2e.candidates(args, "rr_colocated")
     assert rr == [["roles.train_devices=2"], ["roles.train_devices=4"]]
-    assert bench_e2e.candidates(args, "shiftable") == []
+    assert bench_e2e.candidates(args, "shiftable") == rr
+    assert bench_e2e.candidates(args, "colocated") == []
+    # 16 devices, 6 samples a step: 8 training devices (DP 4) do not split the batch
+    args.overrides = [*overrides, "cluster.nodes=4", "cluster.cpu_share=0.05",
+                      "rl.batch_size=3", "rl.group_size=2"]
+    assert bench_e2e.candidates(args, "rr_colocated") == rr
+    # half of 6 is no whole TP group, and 12 leaves no room for a GenRM replica
+    args.overrides = [*overrides, "roles.train_devices=6", "rl.batch_size=6"]
+    assert bench_e2e.candidates(args, "shiftable") == [["roles.train_devices=6"]]
+    args.overrides, args.no_search = overrides, True
+    assert bench_e2e.best_split(args, "disaggregated") == (dis[2], None)   # config's width
+    assert bench_e2e.best_split(args, "shiftable") == ([], None)
+    assert bench_e2e.spread(list(range(10)), 4) == [0, 3, 6, 9]
+    assert bench_e2e.spread([1, 2], 4) == [1, 2]
     result = {"colocated": {"steady_tokens_per_s": 10.0, "tokens_per_s": 5.0},
               "disaggregated": {"steady_tokens_per_s": 20.0, "tokens_per_s": 8.0},
               "shiftable": {"steady_tokens_per_s": 30.0, "tokens_per_s": 8.0}}

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from live_util import check_nothing_lost, model_overrides
 
+from pivotrl_hpc.cli.bench_e2e import PARADIGMS
 from pivotrl_hpc.config import load_config
 from pivotrl_hpc.sim.run import SimConstants, simulate
 from pivotrl_hpc.trace import open_trace
@@ -150,14 +151,17 @@ def test_pivotrl_simulate_prints_every_paradigm_and_the_speedups(tiny_models, tm
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     out = json.loads(p.stdout)
-    for name in ("colocated", "disaggregated", "rr_colocated", "shiftable"):
+    traces = {n: tmp_path / f"{n}-{'-'.join(v.rsplit('=', 1)[1] for v in out[n]['split'])}.h5"
+              for n in PARADIGMS if n != "colocated"} | {"colocated": tmp_path / "colocated-run.h5"}
+    for name in PARADIGMS:
         assert out[name]["tokens_per_s"] > 0 and out[name]["seconds"] > 0, name
-        assert (tmp_path / f"{name}-{'-'.join(v.rsplit('=', 1)[1] for v in out[name]['split']) or 'run'}.h5").exists()
+        assert traces[name].exists(), name
+    assert out["shiftable"]["split"][0].startswith("roles.train_devices=")   # searched
     assert set(out["speedup_vs"]) == {"colocated", "disaggregated", "rr_colocated"}
     assert out["speedup_vs"]["colocated"] == pytest.approx(
         out["shiftable"]["tokens_per_s"] / out["colocated"]["tokens_per_s"])
     assert out["constants"]["source"] == "config" and "paper_speedup_vs" not in out
-    with open_trace(str(tmp_path / "shiftable-run.h5")) as t:
+    with open_trace(str(traces["shiftable"])) as t:
         assert t.meta["simulated"] is True and t.summary["steps"] == 3
     assert np.isfinite(out["rr_colocated"]["idle_fraction"])
 

@@ -2,9 +2,9 @@
 machine's emulated devices (each capped to its CPU share), repeated; one JSON object.
 
 Each run is a real `pivotrl run` (vLLM rollout and GenRM, Megatron training, GPS, MPI) with
-`paradigm.name` and `rl.steps` overridden. Disaggregated (rollout/reward split) and
-rr_colocated (training devices) get their best static split from a small search first, one
-run per candidate (as the paper tuned its baselines). Prints
+`paradigm.name` and `rl.steps` overridden. Disaggregated, rr_colocated and shiftable get
+their best training width (and disaggregated its rollout/reward split) from a small search
+first, one run per candidate (as the paper tuned every paradigm's allocation). Prints
 {"<paradigm>": {"tokens_per_s", "steady_tokens_per_s", "seconds", "shifts", "idle_fraction",
  ..., "seconds_went": {...}}, "speedup_vs": {...}, "workload": {...}}; progress on stderr.
 Speed-ups compare `steady_tokens_per_s` (from the first generated token on, without the
@@ -23,6 +23,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 PARADIGMS = ("colocated", "disaggregated", "rr_colocated", "shiftable")
+BATCH_SIZE = 16   # 64 samples a step, 3 steps in flight: above the D/C of the fits (~19 a replica)
 METRICS = ("tokens_per_s", "steady_tokens_per_s", "seconds", "shifts", "idle_fraction")
 
 
@@ -30,10 +31,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default="configs/tiny-cpu.yaml")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--batch-size", type=int, default=BATCH_SIZE,
+                   help="GRPO groups a step, for every run (0: the config's). At tiny-cpu's "
+                        "own 4, a replica holds a few sequences and a step is latency-bound, "
+                        "where no allocation of devices matters; the paper's steps are "
+                        "throughput-bound (512 samples)")
     p.add_argument("--paradigms", default=",".join(PARADIGMS))
     p.add_argument("--out", default=".run/bench-e2e", help="traces and logs of every run")
     p.add_argument("--no-search", action="store_true",
-                   help="use the config's split for disaggregated / rr_colocated")
+                   help="use the config's training width (disaggregated: the middle "
+                        "rollout/reward split of its pool)")
     p.add_argument("--json", action="store_true", help="(always JSON; kept for symmetry)")
     p.add_argument("overrides", nargs="*", help="dotted overrides for every run")
 
@@ -52,38 +59,74 @@ def run_once(args, paradigm: str, tag: str, extra: list[str]) -> dict:
 
 
 def candidates(args, paradigm: str, check_files: bool = True) -> list[list[str]]:
-    """Static splits to search: disaggregated (rollout, reward) devices of the non-training
-    pool; rr_colocated the training devices (whole TP groups, leaving the pool room for
-    one replica of each role)."""
+    """Static settings to search, as the paper tuned its baselines. The training width
+    (devices, whole TP groups whose DP splits the batch) is every non-colocated paradigm's
+    knob: the paper's Table 4 sets it per group for PivotRL as for the baselines, and where
+    training is the bottleneck a paradigm searched on it and one held to the config's are
+    not compared on equal terms. Disaggregated also searches its (rollout, reward) split
+    of the non-training pool."""
     from pivotrl_hpc.config import load_config
 
     cfg = load_config(args.config, args.overrides, check_files=check_files)
-    r = cfg.roles
-    if paradigm == "disaggregated":
-        pool, size = cfg.total_devices - r.train_devices, r.reward_replica_size
-        return [[f"paradigm.initial_rollout_devices={pool - rw}",
-                 f"paradigm.initial_reward_devices={rw}"] for rw in range(size, pool, size)]
-    if paradigm == "rr_colocated":
-        room = max(r.rollout_replica_size, r.reward_replica_size)
-        tp = r.train_tensor_parallel
-        return [[f"roles.train_devices={t}"]
-                for t in range(tp, cfg.total_devices - room + 1, tp)
-                if (cfg.rl.batch_size * cfg.rl.group_size) % (t // tp) == 0]
-    return []
+    if paradigm not in ("disaggregated", "rr_colocated", "shiftable"):
+        return []
+    widths = [[f"roles.train_devices={t}"] for t in train_widths(cfg)]
+    if paradigm != "disaggregated":
+        return widths
+    size = cfg.roles.reward_replica_size
+    return [w + [f"paradigm.initial_rollout_devices={pool - rw}",
+                 f"paradigm.initial_reward_devices={rw}"]
+            for w, t in zip(widths, train_widths(cfg))
+            for pool in [cfg.total_devices - t]
+            for rw in spread(list(range(size, pool, size)), MAX_SPLITS)]
+
+
+MAX_SPLITS = 8   # (rollout, reward) splits tried per training width
+
+
+def train_widths(cfg) -> list[int]:
+    """Training widths to try: half, the config's and double, in whole TP groups whose DP
+    splits the batch, leaving the pool room for one replica of each inference role."""
+    r, tp = cfg.roles, cfg.roles.train_tensor_parallel
+    room = max(r.rollout_replica_size, r.reward_replica_size)
+    return [t for t in sorted({r.train_devices // 2, r.train_devices, 2 * r.train_devices})
+            if t >= tp and t % tp == 0 and t <= cfg.total_devices - room
+            and (cfg.rl.batch_size * cfg.rl.group_size) % (t // tp) == 0]
+
+
+def spread(options: list, most: int) -> list:
+    """At most `most` of `options`, evenly spaced, the first and the last kept."""
+    if len(options) <= most:
+        return options
+    step = (len(options) - 1) / (most - 1)
+    return [options[round(i * step)] for i in range(most)]
 
 
 def steady(summary: dict) -> float:
     return summary.get("steady_tokens_per_s") or summary["tokens_per_s"]
 
 
+def unsearched(args, paradigm: str, options: list[list[str]],
+               check_files: bool = True) -> list[str]:
+    """Without a search: the config's training width; disaggregated takes the middle split
+    of its pool (the config's initial_* are the other paradigms' bootstrap and need not
+    fit it)."""
+    if len(options) < 2:
+        return options[0] if options else []
+    if paradigm != "disaggregated":
+        return []
+    from pivotrl_hpc.config import load_config
+
+    cfg = load_config(args.config, args.overrides, check_files=check_files)
+    at_width = [o for o in options if o[0] == f"roles.train_devices={cfg.roles.train_devices}"]
+    return at_width[len(at_width) // 2]
+
+
 def best_split(args, paradigm: str) -> tuple[list[str], dict | None]:
     """The split to measure, and the search's run of it (it counts as the first repeat)."""
     options = candidates(args, paradigm)
     if args.no_search or len(options) < 2:
-        # the config's split; disaggregated takes the middle candidate (the config's
-        # initial_* are the other paradigms' bootstrap and need not fit its pool)
-        return (options[len(options) // 2] if options and paradigm == "disaggregated"
-                else []), None
+        return unsearched(args, paradigm, options), None
     best, best_run = [], None
     for extra in options:
         tag = "search-" + "-".join(x.rsplit("=", 1)[1] for x in extra)
@@ -133,6 +176,8 @@ def workload(args) -> dict:
 
 def main(args: argparse.Namespace) -> int:
     Path(args.out).mkdir(parents=True, exist_ok=True)
+    if args.batch_size:
+        args.overrides = [f"rl.batch_size={args.batch_size}", *args.overrides]
     result: dict = {}
     for paradigm in args.paradigms.split(","):
         extra, searched = best_split(args, paradigm)

@@ -6,8 +6,9 @@ The same controller as a live run decides; only the devices are modeled. Costs c
 GPU's datasheet and the models' dimensions (`--hardware h20`, the default for a GPU config:
 sim/profile.py), from the config (throughput constants, tau_shift, `--train-seconds`; the
 default for a CPU config) or, with `--from-trace`, from what a live run measured.
-Disaggregated and rr_colocated get their best static split from the same search as
-`pivotrl bench e2e`. Prints one JSON object shaped like bench e2e's:
+Disaggregated, rr_colocated and shiftable get their best training width (and disaggregated
+its rollout/reward split) from the same search as `pivotrl bench e2e` (`--no-search`: the
+config's). Prints one JSON object shaped like bench e2e's:
 {"<paradigm>": {"tokens_per_s", "seconds", "shifts", "idle_fraction", "split"},
  "speedup_vs": {...}, "paper_speedup_vs" (a paper group's published ratios),
  "constants": {...}}; `--out DIR` keeps every run's trace.
@@ -20,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from pivotrl_hpc.cli.bench_e2e import PARADIGMS, candidates, speedups
+from pivotrl_hpc.cli.bench_e2e import PARADIGMS, candidates, speedups, unsearched
 
 SHOWN = ("tokens_per_s", "steady_tokens_per_s", "seconds", "shifts", "idle_fraction",
          "shifts_by_kind", "max_lag", "staleness_held_s")
@@ -38,6 +39,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "dimensions (sim/profile.py; default for device_kind gpu: h20), or "
                         "take them from the config (default for cpu)")
     p.add_argument("--out", default=None, help="write each run's trace here")
+    p.add_argument("--no-search", action="store_true",
+                   help="the config's training width (disaggregated: the middle "
+                        "rollout/reward split of its pool), one run a paradigm")
     p.add_argument("--json", action="store_true", help="(always JSON; kept for symmetry)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, as for pivotrl run")
 
@@ -116,7 +120,10 @@ def _main(args: argparse.Namespace) -> int:
     result: dict = {}
     for paradigm in names:
         best, best_run = [], None
-        for extra in candidates(bench_args, paradigm, check_files=False) or [[]]:
+        options = candidates(bench_args, paradigm, check_files=False)
+        if args.no_search:
+            options = [unsearched(bench_args, paradigm, options, check_files=False)]
+        for extra in options or [[]]:
             tag = "-".join(x.rsplit("=", 1)[1] for x in extra) or "run"
             run = _one(args, paradigm, extra, constants, tag)
             if best_run is None or run["tokens_per_s"] > best_run["tokens_per_s"]:

@@ -1,12 +1,14 @@
 """The paper's evaluation on the simulator: each figure's runs and its JSON, ours beside the
 paper's (reproduce/paper.py).
 
-- fig9: 4 groups x 4 paradigms; disaggregated and rr_colocated get their best static split
-  from a search on seed 0 (bench e2e's candidates), then every paradigm runs `seeds` seeds;
+- fig9: 4 groups x 4 paradigms; disaggregated, rr_colocated and shiftable get their best
+  training width (disaggregated also its rollout/reward split) from a search on seed 0
+  (bench e2e's candidates), then every paradigm runs `seeds` seeds;
 - fig3: the 7B/30B group's paradigms on their fig9 splits, each role's fraction of time below
   20 % of its peak per-device throughput, from each run's trace;
 - fig11: the shift strategies (static, rule_based) and components (vanilla, vanilla_tm)
-  against fig9's disaggregated and shiftable, on the paper's two groups;
+  at shiftable's training width, against fig9's disaggregated and shiftable, on the
+  paper's two groups;
 - fig14: H from 0.01 to 600 on the 7B/30B group: throughput and shifts per step;
 - fig13: shift seconds of the 7B/30B group against GPU count (16 to 128): each role's
   shift up and down from the profile, and the GPS Write's replication to every node as the
@@ -117,8 +119,9 @@ class Lab:
         missing = [g for g in groups if (g, "disaggregated") not in self.fig9_runs]
         if missing:
             self.fig9(tuple(missing))
-        runs = [self.run(g, p, s) for g in groups for p in FIG11_PARADIGMS
-                for s in range(self.scale.seeds)]
+        # the variants at shiftable's searched training width: only the strategy differs
+        runs = [self.run(g, p, s, self.splits[(g, "shiftable")]) for g in groups
+                for p in FIG11_PARADIGMS for s in range(self.scale.seeds)]
         got: dict[tuple[str, str], list[float]] = {}
         for o in self._all(runs):
             got.setdefault((o.run.tag, o.run.paradigm), []).append(o.figures["tokens_per_s"])
