@@ -23,7 +23,6 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 PARADIGMS = ("colocated", "disaggregated", "rr_colocated", "shiftable")
-BATCH_SIZE = 16   # 64 samples a step, 3 steps in flight: above the D/C of the fits (~19 a replica)
 METRICS = ("tokens_per_s", "steady_tokens_per_s", "seconds", "shifts", "idle_fraction")
 
 
@@ -31,11 +30,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default="configs/tiny-cpu.yaml")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--batch-size", type=int, default=BATCH_SIZE,
-                   help="GRPO groups a step, for every run (0: the config's). At tiny-cpu's "
-                        "own 4, a replica holds a few sequences and a step is latency-bound, "
-                        "where no allocation of devices matters; the paper's steps are "
-                        "throughput-bound (512 samples)")
+    p.add_argument("--batch-size", type=int, default=0,
+                   help="GRPO groups a step for every run (0: the config's). The regime "
+                        "matters: at tiny-cpu's 4 a step is latency-bound, at 16 training-"
+                        "bound (NOTES, 'bench e2e with the training width searched')")
     p.add_argument("--paradigms", default=",".join(PARADIGMS))
     p.add_argument("--out", default=".run/bench-e2e", help="traces and logs of every run")
     p.add_argument("--no-search", action="store_true",
