@@ -130,3 +130,17 @@ def test_rr_colocated_alternates_on_the_pool():
         d["replicas"].append({"id": f"rw@{dev}", "role": "reward",
                               "devices": list(range(dev, dev + 4)), "kv_capacity": 130000})
     assert RRColocatedPolicy().decide(WorkloadSnapshot.from_dict(d)) is None
+
+
+def test_planner_leaves_training_that_is_up_with_its_next_batch_ready():
+    """Between training's shift up (or a step) and its next step, training is up and not
+    active. Taking its devices then only forces it straight back up: in the simulator at
+    H = 0.01 that went training -> reward -> training ~130 times in 8 steps."""
+    idle = PivotPlanner().decide(snap_from())
+    assert TRAINING_ID in idle.shift_down   # Figure 8: idle training is the cheapest donor
+
+    def ready(d):
+        d["training"].update(up=True, active=False, next_batch_ready=True)
+    for policy in (PivotPlanner(), RuleBasedPolicy(low=0.15), StaticPolicy()):
+        plan = policy.decide(snap_from(ready))
+        assert plan is None or TRAINING_ID not in plan.shift_down, policy.name

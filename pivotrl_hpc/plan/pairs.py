@@ -4,8 +4,8 @@ A shift pair groups inactive slots of the shift-up role with the replicas that c
 hold their devices (§7.1, appendix D.1). Slots that share a blocking replica must shift
 together with it, so pairs are the connected components of "slot overlaps replica"; free
 slots (no blocker) form one pair of penalty 0. Penalty φ = Σ τ_shift(role) · T_i over the
-pair's shift-down replicas; idle training generates no tokens, so it costs nothing, and an
-active training unit is never shifted down.
+pair's shift-down replicas; idle training generates no tokens, so it costs nothing, and a
+training unit that runs a step or has its next batch ready is never shifted down.
 """
 from __future__ import annotations
 
@@ -97,7 +97,7 @@ def prepare_shift_pairs(snap: WorkloadSnapshot, role: str, tau_shift: Mapping[st
     order = _id_order(snap)
     role_of = {r.replica_id: r.role for r in snap.replicas}
     role_of[TRAINING_ID] = TRAINING
-    blocked_by_training = snap.training.active
+    blocked_by_training = snap.training.held
     slots: list[tuple[tuple[int, ...], list[str]]] = []
     for devices in snap.roles[role].slots(snap.gpus):
         holders = sorted({owner[d] for d in devices if d in owner}, key=order)

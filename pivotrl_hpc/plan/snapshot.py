@@ -73,6 +73,13 @@ class TrainingState:
     active: bool = False             # running a step: cannot be shifted down
     next_batch_ready: bool = False
 
+    @property
+    def held(self) -> bool:
+        """Not to be shifted down: running a step, or up with its next batch ready (between
+        the shift up, or one step, and the next step; taking it then only forces it back
+        up, a shift pair each way for nothing)."""
+        return self.active or (self.up and self.next_batch_ready)
+
 
 @dataclass(frozen=True)
 class WorkloadSnapshot:
