@@ -31,9 +31,17 @@ OVERRIDES = [f"rl.steps={STEPS}", "rl.checkpoint_every=2", "rl.batch_size=4",
 
 
 class SkipRequeueDelay:
-    """Slurm holds a requeued batch job for 120 s (its BeginTime); the test has it start at
-    once (`scontrol update StartTime=now`, what an operator may do) so that it does not wait
-    4 minutes for nothing. The requeue itself is Slurm's own."""
+    """Slurm holds a requeued batch job for 120 s (its BeginTime); the test has it start
+    sooner (`scontrol update StartTime=now`, what an operator may do) so that it does not wait
+    4 minutes for nothing. The requeue itself is Slurm's own.
+
+    Not at once, though: the kill of the previous start revokes the job's credential on the
+    node, and slurmd refuses a relaunch whose credential is from the same second or earlier
+    ("already killed, do not launch batch job"); the job then ends FAILED with no output
+    (the CI failure of a self-requeue relaunched within its own second). The hold is cut
+    only after the job has been pending for `SETTLE_S`."""
+
+    SETTLE_S = 3.0
 
     def __init__(self, cluster, job: str):
         import threading
@@ -43,11 +51,17 @@ class SkipRequeueDelay:
         self.thread.start()
 
     def _run(self) -> None:
-        while not self.done.wait(1.0):
+        held_since = None
+        while not self.done.wait(0.5):
             p = self.cluster.run("squeue", "-h", "-j", self.job, "-o", "%T %r", check=False)
-            if p.stdout.split() == ["PENDING", "BeginTime"]:
+            if p.stdout.split() != ["PENDING", "BeginTime"]:
+                held_since = None
+            elif held_since is None:
+                held_since = time.monotonic()
+            elif time.monotonic() - held_since >= self.SETTLE_S:
                 self.cluster.run("scontrol", "update", f"JobId={self.job}", "StartTime=now",
                                  check=False)
+                held_since = None
 
     def stop(self) -> None:
         self.done.set()
@@ -177,3 +191,34 @@ def test_submitit_timeout_signal_checkpoints_and_requeues(slurm_cluster, tiny_mo
     assert Path(segs[1]["meta"]["resumed_from"]).name.startswith("step-")
     assert _restarts(slurm_cluster, job.job_id) == 1
     assert job_segments(job.job_id) == []
+
+
+SELF_REQUEUE = """#!/bin/bash
+#SBATCH --requeue
+#SBATCH --open-mode=append
+echo "start ${SLURM_RESTART_COUNT:-0}"
+if [ "${SLURM_RESTART_COUNT:-0}" -lt 1 ]; then
+  sleep 1.2
+  # requeue just before slurmctld's scheduling tick (about .6 s into a second here), so that
+  # a hold cut at once relaunches the job within the second of its kill
+  while f=$(date +%N); [ "${f:0:2}" -lt 50 ] || [ "${f:0:2}" -gt 56 ]; do sleep 0.005; done
+  scontrol requeue "$SLURM_JOB_ID"; sleep 5
+fi
+echo done
+"""
+
+
+def test_skip_requeue_delay_relaunches_a_self_requeued_job(slurm_cluster, tmp_path):
+    """The helper above must not relaunch a job in the second its previous start was killed
+    (slurmd: "already killed, do not launch batch job"; the job ends FAILED, no output)."""
+    script, out = tmp_path / "self_requeue.sh", tmp_path / "out.txt"
+    script.write_text(SELF_REQUEUE)
+    job = slurm_cluster.sbatch("-o", str(out), str(script), cwd=tmp_path)
+    skip = SkipRequeueDelay(slurm_cluster, job)
+    try:
+        res = wait_job(slurm_cluster, job, out, timeout=120)
+    finally:
+        skip.stop()
+    assert (res.state, res.exit_code) == ("COMPLETED", 0), res.output
+    assert res.output.count("start") == 2 and res.output.rstrip().endswith("done"), res.output
+    assert _restarts(slurm_cluster, job) == 1
