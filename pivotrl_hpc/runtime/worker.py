@@ -25,6 +25,7 @@ from pivotrl_hpc.runtime.messages import (
     ROLE_MODEL, Abort, AddSequences, Command, QueryState, Reload, Reply, RoleKind,
     Prepare, SaveCheckpoint, ShiftDown, ShiftUp, Shutdown, Step, TrainBatch, TrainStep,
     WaitWrite)
+from pivotrl_hpc.runtime.worker_engines import WorkerEngines, engine_phases
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +69,8 @@ class DeviceWorker:
     def __init__(self, spec: WorkerSpec, store: ParameterStore):
         self.spec, self.store = spec, store
         self.role, self.replica = RoleKind.IDLE, -1
-        self.engines: dict[str, Any] = {}   # model -> VLLMEngine (preserved shell)
+        self.inference = WorkerEngines(spec, store)
+        self.engines = self.inference.engines  # model -> engine (preserved shell)
         self.trainer = None                  # MegatronTrainer (process groups preserved)
         self.version: int | None = None      # policy version last Read or written
         self.pending_write = None            # GPS WriteHandle of the last published step
@@ -141,10 +143,10 @@ class DeviceWorker:
         if cmd.role == RoleKind.TRAINING:
             phases.update(self._training_up(weights))
         elif hosted:  # the host Reads GPS itself
-            phases.update(self._hosted_up(model, place, version))
+            phases.update(self.inference.up_hosted(model, place, version))
             version = self.engines[model].version
         else:  # the engine's own params_read (materialise + check) adds to the GPS Read
-            for key, seconds in self._inference_up(model, weights).items():
+            for key, seconds in self.inference.up_in_process(model, weights).items():
                 phases[key] = phases.get(key, 0.0) + seconds
         self.role, self.replica = cmd.role, cmd.replica
         if model == "policy" and hosted:
@@ -159,98 +161,15 @@ class DeviceWorker:
         return {"version": self.version if model == "policy" else None,
                 "read": version if weights is not None or hosted else None}, phases
 
-    def _inference_up(self, model: str, weights: Mapping[str, Any]) -> dict[str, float]:
-        phases = {}
-        for other in [m for m in self.engines if m != model]:
-            # vLLM's parallel state is process-wide: an engine of another model asleep in
-            # this process would hand the new one its groups (a dense policy's lack the MoE
-            # GenRM's expert group). One engine per process; engine hosts keep both.
-            t0 = time.perf_counter()
-            self.engines.pop(other).close()
-            phases[phase(ContextKind.PRESERVED, "engine_close")] = time.perf_counter() - t0
-        engine = self.engines.get(model)
-        if engine is None:  # first time this device serves the model: build the engine
-            from pivotrl_hpc.engines.vllm.engine import VLLMEngine
-
-            engine = VLLMEngine(self.spec.model_dirs[model],
-                                self.spec.engine_options.get(model), weights=weights)
-            self.engines[model] = engine
-            raw = engine.start_phases
-        else:
-            raw = engine.shift_up(weights)
-        return phases | {_engine_phase(k): v for k, v in raw.items()}
-
-    def _hosted_up(self, model: str, place: ParallelPlace,
-                   version: int | None) -> dict[str, float]:
-        from pivotrl_hpc.runtime.engine_host import EngineHost
-
-        read = self._gps_read(model, place, version)
-        host = self.engines.get(model)
-        if host is not None and not host.started:  # preloaded at start-up: build it now
-            return {_engine_phase(k): v for k, v in host.start(read).items()}
-        if host is None:  # first time this device serves the model: start its host
-            host = EngineHost(self.spec.model_dirs[model], self.spec.engine_options.get(model),
-                              read, world=self.spec.engine_worlds.get(model),
-                              name=f"{model} on device {self.spec.device}")
-            self.engines[model] = host
-            raw = host.start_phases
-        else:
-            raw = host.shift_up(read)
-        return {_engine_phase(k): v for k, v in raw.items()}
-
     def _prepare(self, cmd: Prepare) -> tuple[Any, dict[str, float]]:
-        """Build each engine of `cmd.models` not built yet and put it to sleep (hosts only:
-        an in-process worker keeps one engine per process, see `_inference_up`)."""
+        """Build each engine of `cmd.models` not built yet and put it to sleep."""
         if self.role != RoleKind.IDLE:
             raise RoleError(f"prepare while {self.role.value}: only an idle device builds")
-        built, phases, t0 = [], {}, time.perf_counter()
-        for model in cmd.models:
-            host = self.engines.get(model)
-            if not self.spec.engine_process or (host is not None and host.started):
-                continue
-            t1 = time.perf_counter()
-            up = self._hosted_up(model, self.spec.inference_place, None)
-            down = self.engines[model].shift_down()
-            phases.update({f"{model}.{k}": v for k, v in up.items()})
-            phases.update({f"{model}.{_engine_phase(k)}": v for k, v in down.items()})
-            phases[f"{model}.total"] = time.perf_counter() - t1
-            built.append(model)
-        seconds = time.perf_counter() - t0 if built else 0.0
-        log.info("prepared %s asleep in %.2f s", built or "nothing", seconds)
-        return {"built": built, "seconds": seconds}, phases
+        return self.inference.prepare(cmd.models)
 
     def prewarm(self) -> list[int]:
-        """Start the engine hosts now (job start-up, before the device's CPU cap): their
-        fork server imports vLLM while this process imports Megatron-Core (a training
-        device), so a first shift up builds only the engine. Returns the pids of the hosts
-        and of their fork server: the launcher moves them under the device's cap too."""
-        from pivotrl_hpc.runtime.engine_host import EngineHost, fork_server, fork_server_pid
-
-        if not self.spec.engine_process:
-            return []
-        fork_server()
-        if self.spec.trainer_config is not None:
-            from pivotrl_hpc.engines.megatron.trainer import preload_megatron
-            preload_megatron()
-        for model in ("policy", "genrm"):
-            if model not in self.engines:
-                self.engines[model] = EngineHost(
-                    self.spec.model_dirs[model], self.spec.engine_options.get(model),
-                    world=self.spec.engine_worlds.get(model), start=False,
-                    name=f"{model} on device {self.spec.device}")
-        for host in self.engines.values():
-            host.preloaded()
-        # the fork server too: a host it forks later (a restart) starts under the cap
-        return [host.pid for host in self.engines.values()] + [fork_server_pid()]
-
-    def _gps_read(self, model: str, place: ParallelPlace, version: int | None):
-        from pivotrl_hpc.runtime.engine_host import GPSRead
-
-        job = self.spec.gps_job or getattr(self.store, "job", None)
-        node = self.spec.gps_node or getattr(self.store, "node", None)
-        if job is None or node is None:
-            raise RoleError("engine_process needs the GPS job and node (spec.gps_job/gps_node)")
-        return GPSRead(job, node, model, place, version)
+        """Start the engine hosts before the device's CPU cap (`WorkerEngines.prewarm`)."""
+        return self.inference.prewarm()
 
     def _training_up(self, weights: Mapping[str, Any] | None) -> dict[str, float]:
         phases: dict[str, float] = {}
@@ -293,8 +212,7 @@ class DeviceWorker:
             engine = self._engine()
             requeue = engine.abort() if engine.num_running else []
             phases = {phase(ContextKind.TEMPORARY, "abort"): time.perf_counter() - t0}
-            raw = engine.shift_down()
-            phases.update({_engine_phase(k): v for k, v in raw.items()})
+            phases.update(engine_phases(engine.shift_down()))
         log.info("shift down %s[%d]: %d sequences back to the queue", self.role.value,
                  self.replica, len(requeue))
         self.role, self.replica = RoleKind.IDLE, -1
@@ -346,15 +264,8 @@ class DeviceWorker:
 
     def peak_rss_mb(self) -> dict[str, float]:
         """Peak RSS (VmHWM) of this worker rank and of each engine host it runs."""
-        out = {"worker": peak_rss_bytes() / 2**20}
-        for model, engine in self.engines.items():
-            pid = getattr(engine, "pid", None)
-            if pid is not None:
-                try:
-                    out[f"host:{model}"] = peak_rss_bytes(pid) / 2**20
-                except (OSError, RuntimeError):  # the host is gone: nothing to report
-                    pass
-        return out
+        hosts = self.inference.peak_rss_bytes()
+        return {"worker": peak_rss_bytes() / 2**20} | {k: v / 2**20 for k, v in hosts.items()}
 
     # --- training ------------------------------------------------------------------------
     def _train_step(self, cmd: TrainStep) -> tuple[Any, dict]:
@@ -397,8 +308,8 @@ class DeviceWorker:
         t0 = time.perf_counter()
         if self.spec.engine_process:  # the host Reads GPS itself: Read + load in one figure
             host = self._engine()
-            seconds = host.load_weights(self._gps_read("policy", self.spec.inference_place,
-                                                       cmd.version))
+            seconds = host.load_weights(self.inference.gps_read(
+                "policy", self.spec.inference_place, cmd.version))
             self.version = host.version
             return {"version": self.version}, {phase(ContextKind.PARAMETERS, "load"): seconds}
         version = cmd.version if cmd.version is not None else _current(self.store, "policy")
@@ -439,10 +350,3 @@ class DeviceWorker:
 def _current(store: ParameterStore, model: str) -> int | None:
     state = getattr(store, "state", None)
     return state(model).current if state is not None else None
-
-
-def _engine_phase(name: str) -> str:
-    """Name an engine's own phase by the context it handles."""
-    if name.startswith("params"):
-        return phase(ContextKind.PARAMETERS, name.removeprefix("params_"))
-    return phase(ContextKind.TEMPORARY if name in ("kv_alloc",) else ContextKind.PRESERVED, name)
