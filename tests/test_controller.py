@@ -120,6 +120,23 @@ def test_worker_failure_names_the_device_and_shuts_everyone_down():
     assert all(w.log[-1] == "Shutdown" for w in workers)
 
 
+def test_the_stop_check_runs_every_iteration_and_its_stop_shuts_everyone_down():
+    """The live loop's backstop for a lost stop signal (launch.stop.Stopper.check)."""
+    ctl, workers = make_controller("shiftable", bootstrap=split_bootstrap())
+    calls = []
+
+    def check() -> None:
+        calls.append(ctl.step)
+        if ctl.step >= 1:
+            raise KeyboardInterrupt("stopped by SIGTERM")
+
+    ctl.stop_check = check
+    with pytest.raises(KeyboardInterrupt):
+        ctl.run()
+    assert ctl.step == 1 and calls.count(0) > 10
+    assert all(w.log[-1] == "Shutdown" for w in workers)
+
+
 def test_prebuild_prepares_every_device_before_anything_else():
     ctl, workers = make_controller("shiftable", bootstrap=split_bootstrap(),
                                    prebuild=("policy", "genrm"))

@@ -402,3 +402,38 @@ def test_controller_failure_names_rank_0(tiny_models, tmp_path):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-v"]))
+
+
+def test_an_earlier_starts_logs_are_kept_beside_the_next_one(tmp_path):
+    """A requeued job starts again in its run folder: the logs of the start before (what made
+    it stop) move to logs/start-K/, the newest KEEP_STARTS kept; the run-folder state stays."""
+    from pivotrl_hpc.launch.layout import KEEP_STARTS, RunPaths
+
+    paths = RunPaths(tmp_path / "t.h5")
+    paths.logs.mkdir()
+    assert paths.keep_previous_logs() is None
+    (paths.logs / "job").write_text("7\n")
+    for start in range(1, KEEP_STARTS + 3):
+        paths.rank_log(0).write_text(f"start {start}\n")
+        paths.rank_pid(0).write_text("1 h\n")
+        (paths.logs / "srun.log").write_text(f"srun {start}\n")
+        assert paths.keep_previous_logs() == paths.logs / f"start-{start}"
+        assert sorted(p.name for p in paths.logs.iterdir() if p.is_file()) == ["job"]
+    kept = sorted(paths.logs.glob("start-*"))
+    assert [p.name for p in kept] == [f"start-{k}" for k in range(3, KEEP_STARTS + 3)]
+    assert (kept[-1] / "rank-0.log").read_text() == f"start {KEEP_STARTS + 2}\n"
+    assert sorted(p.name for p in kept[0].iterdir()) == ["rank-0.log", "rank-0.pid", "srun.log"]
+
+
+@pytest.mark.parametrize("mode, printed", [("check", "check stopped by SIGTERM"),
+                                           ("no-check", "end"), ("deferred", "end")])
+def test_a_stop_signal_lost_in_a_finalizer_is_caught_by_the_loops_check(mode, printed):
+    """The signal's handler raises inside a __del__, where Python prints the exception and
+    drops it: without `Stopper.check` the loop runs to its end; with it, the loop stops
+    LOST_S later; a deferred stop (a grace-time checkpoint) is left to the controller."""
+    p = subprocess.run([str(PYTHON), str(PROGRAMS / "lost_stop.py"), mode], capture_output=True,
+                       text=True, timeout=60, cwd=ROOT)
+    assert p.stdout.strip() == printed, (p.stdout, p.stderr)
+    assert "Exception ignored in" in p.stderr and "Interrupted" in p.stderr, p.stderr
+    if mode == "check":
+        assert "(its interrupt was lost): stopping it now" in p.stderr, p.stderr

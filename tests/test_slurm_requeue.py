@@ -68,11 +68,23 @@ class SkipRequeueDelay:
         self.thread.join()
 
 
-def _wait_for(what: str, check, timeout: float = 600) -> None:
+def _wait_for(what: str, check, timeout: float = 600, logs: Path | None = None) -> None:
     deadline = time.monotonic() + timeout
     while not check():
-        assert time.monotonic() < deadline, f"no {what} within {timeout:.0f} s"
+        assert time.monotonic() < deadline, f"no {what} within {timeout:.0f} s" + _tails(logs)
         time.sleep(0.5)
+
+
+def _tails(logs: Path | None, lines: int = 25) -> str:
+    """rank 0's log of each start so far (launch.layout keeps an earlier start's)."""
+    if logs is None:
+        return ""
+    out = []
+    for log in sorted(logs.glob("start-*/rank-0.log")) + [logs / "rank-0.log"]:
+        if log.exists():
+            tail = log.read_text(errors="replace").splitlines()[-lines:]
+            out.append(f"\n--- {log}\n" + "\n".join(tail))
+    return "".join(out)
 
 
 def _rows(trace: Path, table: str = "steps") -> int:
@@ -119,8 +131,8 @@ def test_sbatch_job_requeued_mid_run_and_by_the_time_limit_signal_completes(
     try:
         _wait_for("checkpoint of step 2", lambda: (ckpts / "step-000002" / "COMPLETE").exists())
         slurm_cluster.run("scontrol", "requeue", job)
-        seg1 = run / "learn-cpu.seg1.h5"
-        _wait_for("a step trained after the requeue", lambda: _rows(seg1) >= 1)
+        seg1, logs = run / "learn-cpu.seg1.h5", run / "learn-cpu.logs"
+        _wait_for("a step trained after the requeue", lambda: _rows(seg1) >= 1, logs=logs)
         slurm_cluster.run("scancel", "--batch", "--signal=USR1", job)
         res = wait_job(slurm_cluster, job, folder / "job.out", timeout=900)
     finally:
@@ -128,6 +140,9 @@ def test_sbatch_job_requeued_mid_run_and_by_the_time_limit_signal_completes(
     assert res.state == "COMPLETED" and res.exit_code == 0, res.output[-3000:]
     assert _restarts(slurm_cluster, job) == 2
     assert "requeued: it resumes from there" in res.output, res.output[-3000:]
+    # the requeue's SIGTERM stopped the first start's controller (its log kept beside)
+    first = (logs / "start-1" / "rank-0.log").read_text()
+    assert "controller stopped by SIGTERM" in first, first[-3000:]
     segs = _check_segments(trace, 3)
     assert any(kind == "checkpoint" for kind, _ in segs[1]["events"])
     # the signal's checkpoint is the one the third start resumed from

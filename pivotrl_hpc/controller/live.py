@@ -130,12 +130,14 @@ def add_checkpoints(ctl: Controller, cfg: Config, trace_path: str | Path) -> Non
         resume(ctl, folder)
 
 
-def run_job(cfg: Config, comm, layout, trace_path: str | Path) -> dict[str, Any]:
+def run_job(cfg: Config, comm, layout, trace_path: str | Path, stopper=None) -> dict[str, Any]:
     """Run the RL job from rank 0 against the worker ranks of `layout` (launch.layout
-    RankLayout); returns the summary (the launcher writes it next to the trace)."""
+    RankLayout); returns the summary (the launcher writes it next to the trace). `stopper`:
+    the rank's launch.stop.Stopper, whose check the loop runs and which a deferred stop
+    signal marks."""
     device_ranks = {d: layout.worker_rank(d) for d in layout.devices}
     try:
-        return run_on(cfg, comm, device_ranks, trace_path, layout.placement())
+        return run_on(cfg, comm, device_ranks, trace_path, layout.placement(), stopper)
     except ControllerError as e:
         if e.device is None or e.device not in device_ranks:
             raise
@@ -163,7 +165,7 @@ def _on_usr1(ctl: Controller) -> None:
 SAME_SIGNAL_S = 5.0   # a SIGTERM this soon after the deferred one is the same stop
 
 
-def _on_stop_signal(ctl: Controller, grace_s: float) -> None:
+def _on_stop_signal(ctl: Controller, grace_s: float, stopper=None) -> None:
     """With a grace time (`rl.preempt_grace_s`), the first SIGTERM asks for a checkpoint
     after the running step and the end of the job, when `Checkpointer.fits`; otherwise, and
     on any later signal, the handler before (the rank's Stopper: stop at once) takes it. The
@@ -184,6 +186,8 @@ def _on_stop_signal(ctl: Controller, grace_s: float) -> None:
             return   # the same stop twice: from Slurm and from srun passing it on
         if not deferred and ctl.checkpoints.fits(ctl.clock.now(), grace_s):
             deferred.append(now)
+            if stopper is not None:
+                stopper.deferred = True   # not lost: the loop ends at the checkpoint
             log.warning("SIGTERM with %.0f s of grace: checkpoint after the running step, "
                         "then stop", grace_s)
             ctl.checkpoints.request("stop")
@@ -198,7 +202,7 @@ def _on_stop_signal(ctl: Controller, grace_s: float) -> None:
 
 
 def run_on(cfg: Config, comm, device_ranks: Mapping[int, int], trace_path: str | Path,
-           placement: list[dict] | None = None) -> dict[str, Any]:
+           placement: list[dict] | None = None, stopper=None) -> dict[str, Any]:
     from pivotrl_hpc.runtime.spec import resumed_from
     from pivotrl_hpc.trace import TraceWriter
     from pivotrl_hpc.trace.tensorboard import tensorboard_dir
@@ -222,7 +226,9 @@ def run_on(cfg: Config, comm, device_ranks: Mapping[int, int], trace_path: str |
             devices.stop_all(Shutdown(), clock, 10.0)
             raise
         _on_usr1(ctl)
-        _on_stop_signal(ctl, cfg.rl.preempt_grace_s)
+        _on_stop_signal(ctl, cfg.rl.preempt_grace_s, stopper)
+        if stopper is not None:
+            ctl.stop_check = stopper.check
         summary = ctl.run()
         summary["controller_peak_rss_mb"] = resource.getrusage(
             resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from pivotrl_hpc.controller.clock import Clock
 from pivotrl_hpc.controller.decide import Decider, InlineDecider
@@ -84,6 +84,9 @@ class Controller:
         self.checkpoints = None             # controller.checkpointing.Checkpointer (live)
         self.stop_reason: str | None = None  # set to end the job early (a requeue)
         self.prebuilt_s: float | None = None  # when the last device's engines were built
+        # live: the rank's stop check (launch.stop.Stopper.check), a backstop for a stop
+        # signal whose interrupt was lost; nothing to check under the simulator
+        self.stop_check: Callable[[], None] = lambda: None
 
     # --- the loop ----------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
@@ -93,6 +96,7 @@ class Controller:
             if self._bootstrap is not None:
                 self.executor.execute(self._bootstrap)
             while not self.done():
+                self.stop_check()
                 self.collect()
                 self.maybe_plan()
                 self.admit()

@@ -212,7 +212,8 @@ class Rank:
             trace = segment_trace(self.paths.trace) if self.resumed else self.paths.trace
             if not self.resumed:
                 forget_segments(self.paths.trace)
-            summary = run_job(self.cfg, self.world, self.layout, str(trace))
+            summary = run_job(self.cfg, self.world, self.layout, str(trace),
+                              stopper=self.stopper)
         except Interrupted as e:
             log.warning("controller %s", e)
             return

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -223,12 +224,15 @@ def job_ports(total_devices: int) -> int:
     return 100 + 2 * total_devices + 1
 
 
+KEEP_STARTS = 3   # earlier starts whose logs a run folder keeps
+
+
 # ---- files of a run ----------------------------------------------------------------------------
 @dataclass(frozen=True)
 class RunPaths:
     """Everything of a run sits next to its trace: out/x.h5 -> out/x.config.json (resolved
     config), out/x.summary.json, out/x.logs/ (rank-N.log, rank-N.pid, rank-N.error.json,
-    mpirun.log)."""
+    mpirun.log or srun.log); an earlier start's logs in out/x.logs/start-K/."""
     trace: Path
 
     @classmethod
@@ -255,6 +259,24 @@ class RunPaths:
 
     def rank_error(self, rank: int) -> Path:
         return self.logs / f"rank-{rank}.error.json"
+
+    def keep_previous_logs(self, keep: int = KEEP_STARTS) -> Path | None:
+        """Move an earlier start's logs (a requeued or resumed job starts again in the same
+        folder) to logs/start-K/, K counting up, the newest `keep` kept: what made that start
+        stop is not overwritten by the next one. Returns the folder, None if nothing to move."""
+        old = [p for p in self.logs.glob("*") if p.is_file() and
+               (p.name.startswith("rank-") or p.suffix == ".log")]
+        if not old:
+            return None
+        starts = sorted((int(d.name[6:]), d) for d in self.logs.glob("start-*")
+                        if d.is_dir() and d.name[6:].isdigit())
+        dest = self.logs / f"start-{starts[-1][0] + 1 if starts else 1}"
+        dest.mkdir()
+        for p in old:
+            p.rename(dest / p.name)
+        for _, d in starts[:max(0, len(starts) + 1 - keep)]:
+            shutil.rmtree(d, ignore_errors=True)
+        return dest
 
 
 def host_name() -> str:

@@ -126,12 +126,12 @@ def free_port_base(count: int) -> int:
 
 # ---- run ---------------------------------------------------------------------------
 def write_files(run: PreparedRun) -> None:
-    """The resolved config and an empty run folder (files of an earlier run removed)."""
+    """The resolved config and a run folder of this start's files only (an earlier start's
+    logs moved to logs/start-K/, its summary removed)."""
     run.paths.logs.mkdir(parents=True, exist_ok=True)
     sweep_killed_job(run)
-    for old in [*run.paths.logs.glob("rank-*"), run.paths.logs / "mpirun.log",
-                run.paths.summary_json]:
-        old.unlink(missing_ok=True)
+    run.paths.keep_previous_logs()
+    run.paths.summary_json.unlink(missing_ok=True)
     run.paths.config_json.write_text(json.dumps(run.config, indent=1) + "\n")
 
 

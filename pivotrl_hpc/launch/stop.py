@@ -15,6 +15,7 @@ from pathlib import Path
 log = logging.getLogger("pivotrl_hpc.launch")
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+LOST_S = 1.0   # a stop signal this old that has not reached the controller's loop was lost
 
 
 class Interrupted(KeyboardInterrupt):
@@ -31,11 +32,20 @@ class Stopper:
 
     Python runs signal handlers in the main thread only, between bytecodes: a worker blocked
     in MPI recv would never run one. The C-level handler also writes the signal number to the
-    wakeup fd at once, so a watcher thread arms the watchdog whatever the main thread does."""
+    wakeup fd at once, so a watcher thread arms the watchdog whatever the main thread does.
+
+    The controller's loop also calls `check` between iterations: the handler's exception can
+    be lost (raised while the main thread runs a finalizer or a C callback, Python only prints
+    it) and the handler can be kept from running at all; the loop then stops itself, LOST_S
+    late, instead of running to its end. A stop the controller deferred (a grace-time
+    checkpoint, controller.live) sets `deferred` and is not lost."""
 
     def __init__(self, grace_s: float, on_expire: Callable[[int], None] | None = None):
         self.grace_s = grace_s
         self.signum: int | None = None
+        self.noticed_at = 0.0               # monotonic seconds of the first stop signal
+        self.handled = False                # the Python handler ran (not only the wakeup fd)
+        self.deferred = False               # the controller takes the stop in its own time
         self.interruptible = False          # True while the controller runs
         self.cleanups: list[Callable[[], None]] = []
         self._on_expire = on_expire
@@ -64,7 +74,7 @@ class Stopper:
         with self._lock:
             if self.signum is not None:
                 return
-            self.signum = signum
+            self.signum, self.noticed_at = signum, time.monotonic()
         log.warning("got %s: stopping the job (grace %.0f s)", signal.Signals(signum).name,
                     self.grace_s)
         t = threading.Timer(self.grace_s, self._expire)
@@ -73,9 +83,21 @@ class Stopper:
 
     def _on_signal(self, signum, _frame) -> None:
         self._notice(signum)
+        self.handled = True
         if self.interruptible:
             self.interruptible = False
             raise Interrupted(signum)
+
+    def check(self) -> None:
+        """Between the controller's iterations: raise the stop signal's `Interrupted` if the
+        signal came LOST_S ago and the loop still runs (see the class)."""
+        if self.signum is None or self.deferred or time.monotonic() - self.noticed_at < LOST_S:
+            return
+        log.error("%s came %.1f s ago and the controller still runs (%s): stopping it now",
+                  signal.Signals(self.signum).name, time.monotonic() - self.noticed_at,
+                  "its interrupt was lost" if self.handled else "its handler never ran")
+        self.interruptible = False
+        raise Interrupted(self.signum)
 
     def run_cleanups(self) -> None:
         while self.cleanups:

@@ -33,7 +33,7 @@ def _caps(cfg, layout) -> dict:
     return caps
 
 
-def query_all(cfg, comm, layout, trace_path):
+def query_all(cfg, comm, layout, trace_path, stopper=None):
     """Every worker answers a QueryState; report their states and CPU caps; Shutdown."""
     handles = _handles(comm, layout)
     try:
@@ -46,7 +46,7 @@ def query_all(cfg, comm, layout, trace_path):
             "caps": caps, "shutdown": shut, "world": comm.Get_size()}
 
 
-def until_stopped(cfg, comm, layout, trace_path):
+def until_stopped(cfg, comm, layout, trace_path, stopper=None):
     """Query the workers in a loop until a signal interrupts; Shutdown on the way out."""
     handles = _handles(comm, layout)
     trace = Path(trace_path)
@@ -65,13 +65,13 @@ def until_stopped(cfg, comm, layout, trace_path):
         trace.write_text(f"closed after {rounds} rounds\n")
 
 
-def fails(cfg, comm, layout, trace_path):
+def fails(cfg, comm, layout, trace_path, stopper=None):
     """A controller that raises after shutting the workers down."""
     _shutdown(_handles(comm, layout))
     raise RuntimeError("test controller failure")
 
 
-def idle(cfg, comm, layout, trace_path):
+def idle(cfg, comm, layout, trace_path, stopper=None):
     """Query the workers once, then leave them waiting for commands (blocked in MPI recv)
     until a signal interrupts; Shutdown on the way out."""
     handles = _handles(comm, layout)
