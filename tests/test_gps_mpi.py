@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from pivotrl_hpc.gps.segment import SHM_DIR, hf_header
+from pivotrl_hpc.gps.hf import hf_header
+from pivotrl_hpc.gps.segment import SHM_DIR
 
 PROGRAM = str(Path(__file__).parent / "programs" / "gps_mpi_pair.py")
 HYBRID = str(Path(__file__).parent / "programs" / "gps_hybrid_pair.py")

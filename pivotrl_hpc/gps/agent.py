@@ -40,8 +40,9 @@ from pivotrl_hpc.gps.fetch import ReadFetch
 from pivotrl_hpc.gps.layout import choose_group_size
 from pivotrl_hpc.gps.plan import LinkModel, PlanCache, merge_ranges
 from pivotrl_hpc.gps.replication import Transfers, _Write
-from pivotrl_hpc.gps.segment import (SHM_DIR, check_memory, hf_header, load_into,
-                                     memory_available, segment_prefix, sweep)
+from pivotrl_hpc.gps.hf import hf_header, load_into
+from pivotrl_hpc.gps.segment import (SHM_DIR, check_memory, memory_available, segment_prefix,
+                                     sweep)
 from pivotrl_hpc.gps.store import ModelStore
 from pivotrl_hpc.gps.transport import CTRL_TAG, make_transport
 

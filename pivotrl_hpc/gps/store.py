@@ -18,7 +18,8 @@ from pathlib import Path
 from pivotrl_hpc.gps import control
 from pivotrl_hpc.gps.layout import hybrid_owner
 from pivotrl_hpc.gps.plan import Range, merge_ranges
-from pivotrl_hpc.gps.segment import SHM_DIR, Header, Segment, hf_header, segment_name
+from pivotrl_hpc.gps.hf import hf_header
+from pivotrl_hpc.gps.segment import SHM_DIR, Header, Segment, segment_name
 
 log = logging.getLogger(__name__)
 
