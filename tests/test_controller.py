@@ -137,6 +137,19 @@ def test_the_stop_check_runs_every_iteration_and_its_stop_shuts_everyone_down():
     assert all(w.log[-1] == "Shutdown" for w in workers)
 
 
+def test_ask_each_queues_behind_work_and_collects_every_devices_answer():
+    from pivotrl_hpc.runtime.messages import QueryState
+
+    ctl, workers = make_controller("shiftable", bootstrap=split_bootstrap(),
+                                   prebuild=("policy", "genrm"))
+    ctl.prebuild()                      # a Prepare in flight on every device first
+    replies = ctl.devices.ask_each(QueryState(), ctl.clock, 30.0)
+    assert sorted(replies) == sorted(ctl.devices.handles)
+    assert all(r.ok and r.command == "QueryState" for r in replies.values())
+    assert all(w.log[:2] == ["Prepare", "QueryState"] for w in workers)
+    assert not any(ctl.devices.busy(d) for d in ctl.devices.handles)
+
+
 def test_prebuild_prepares_every_device_before_anything_else():
     ctl, workers = make_controller("shiftable", bootstrap=split_bootstrap(),
                                    prebuild=("policy", "genrm"))

@@ -99,6 +99,23 @@ class Devices:
             self._queues[d].clear()
             handle.submit(cmd)
 
+    def ask_each(self, cmd: Command, clock, timeout_s: float) -> dict[int, Reply]:
+        """Queue `cmd` on every device and collect until each has answered it, at most
+        `timeout_s`; the replies by device (the devices missing did not answer)."""
+        got: dict[int, Reply] = {}
+
+        def record(replies: list[Reply]) -> None:
+            got[replies[0].device] = replies[0]
+
+        for d in sorted(self.handles):
+            self.send((d,), cmd, record)
+        deadline = clock.now() + timeout_s
+        while len(got) < len(self.handles) and clock.now() < deadline:
+            self.collect()
+            nxt = self.next_reply_time()
+            clock.wait_until(nxt if nxt is not None else clock.now() + 0.01)
+        return got
+
     def stop_all(self, cmd: Command, clock, timeout_s: float) -> list[int]:
         """Send `cmd` (Shutdown) to every device past the queues and drain replies until each
         has answered it (a worker blocked sending a large reply would otherwise never see

@@ -389,27 +389,9 @@ class Controller:
 
     def peak_rss(self, timeout_s: float = 30.0) -> dict[str, dict[str, float]]:
         """Peak RSS per device worker and its engine hosts (QueryState, after the run)."""
-        got: dict[str, dict[str, float]] = {}
-        left = set(self.devices.handles)
-
-        def record(replies: list[Reply]) -> None:
-            r = replies[0]
-            left.discard(r.device)
-            if r.ok and isinstance(r.result, dict) and "peak_rss_mb" in r.result:
-                got[str(r.device)] = r.result["peak_rss_mb"]
-
-        for d in sorted(left):
-            self.devices.send((d,), QueryState(), record)
-        deadline = self.clock.now() + timeout_s
-        while left and self.clock.now() < deadline:
-            self.devices.collect()
-            self._nap()
-        return got
-
-    def _nap(self) -> None:
-        """Wait for the next reply (simulation) or a moment (live) after the run's end."""
-        nxt = self.devices.next_reply_time()
-        self.clock.wait_until(nxt if nxt is not None else self.clock.now() + 0.01)
+        replies = self.devices.ask_each(QueryState(), self.clock, timeout_s)
+        return {str(d): r.result["peak_rss_mb"] for d, r in replies.items()
+                if r.ok and isinstance(r.result, dict) and "peak_rss_mb" in r.result}
 
     def shutdown(self, timeout_s: float = 60.0) -> None:
         """Every worker gets Shutdown on every exit path (Devices.stop_all)."""
