@@ -26,6 +26,11 @@ class WorkerHandle(Protocol):
     def poll(self) -> list[Reply]:
         """Replies that arrived (in order); never blocks."""
 
+    def _nap(self, clock) -> None:
+        """Wait for the next reply (simulation) or a moment (live)."""
+        nxt = self.next_reply_time()
+        clock.wait_until(nxt if nxt is not None else clock.now() + 0.01)
+
     def next_reply_time(self) -> float | None:
         """When the next reply is due, if the handle knows (simulation); else None."""
 
@@ -112,8 +117,7 @@ class Devices:
         deadline = clock.now() + timeout_s
         while len(got) < len(self.handles) and clock.now() < deadline:
             self.collect()
-            nxt = self.next_reply_time()
-            clock.wait_until(nxt if nxt is not None else clock.now() + 0.01)
+            self._nap(clock)
         return got
 
     def stop_all(self, cmd: Command, clock, timeout_s: float) -> list[int]:
@@ -127,8 +131,7 @@ class Devices:
             for d in list(left):
                 if any(r.command == name for r in self.handles[d].poll()):
                     left.discard(d)
-            nxt = self.next_reply_time()
-            clock.wait_until(nxt if nxt is not None else clock.now() + 0.01)
+            self._nap(clock)
         return sorted(left)
 
     def describe(self) -> dict[int, str]:
@@ -139,6 +142,11 @@ class Devices:
             out[d] = (f"{g.command} in flight" if g is not None else "free") + (
                 f", then {', '.join(type(c).__name__ for _, c in q)}" if q else "")
         return out
+
+    def _nap(self, clock) -> None:
+        """Wait for the next reply (simulation) or a moment (live)."""
+        nxt = self.next_reply_time()
+        clock.wait_until(nxt if nxt is not None else clock.now() + 0.01)
 
     def next_reply_time(self) -> float | None:
         times = [t for h in self.handles.values() if (t := h.next_reply_time()) is not None]
