@@ -15,8 +15,9 @@ import pytest
 
 from pivotrl_hpc.engines.ports import free_port
 from pivotrl_hpc.engines.vllm.types import EngineOptions, Sampling
+from pivotrl_hpc.runtime import host_forker
 from pivotrl_hpc.runtime.engine_host import (EngineHost, EngineHostError, GPSRead, TPWorld,
-                                             fork_server_pid, spmd)
+                                             spmd)
 
 MiB = 2**20
 OPTS = EngineOptions(max_model_len=128, kv_cache_memory_bytes=16 * MiB)
@@ -160,7 +161,8 @@ def test_worker_runs_engines_in_hosts_and_names_a_dead_one(tiny_models, agent):
         t0 = time.monotonic()
         step = worker.handle(Step())
         assert time.monotonic() - t0 < 5
-        assert not step.ok and "policy on device 3" in step.error and "died" in step.error
+        assert not step.ok and "policy on device 3" in step.error
+        assert "died (killed by SIGKILL)" in step.error   # the exit code, from the forker
         assert worker.handle(Shutdown()).ok
     finally:
         client.close()
@@ -295,14 +297,14 @@ def _ppid(pid: int) -> int:
 
 
 def test_hosts_fork_from_one_server_that_imported_vllm(tiny_models):
-    """A device's hosts are forks of one fork server, not fresh interpreters: the server
+    """A device's hosts are forks of one forker, not fresh interpreters: the forker
     imported vLLM (its extension is mapped there) before it forked them, so no host pays
     the 5 CPU-s of imports itself (each takes its own environment: the TP=2 test's world)."""
     hosts = [EngineHost(tiny_models / m, OPTS, start=False, name=m) for m in ("policy", "genrm")]
     try:
         for host in hosts:
             host.preloaded()
-        server = fork_server_pid()
+        server = host_forker.server_pid()
         assert server != os.getpid() and [_ppid(h.pid) for h in hosts] == [server, server]
         maps = Path(f"/proc/{server}/maps").read_text()
         assert "site-packages/vllm/_C" in maps
@@ -311,22 +313,22 @@ def test_hosts_fork_from_one_server_that_imported_vllm(tiny_models):
             host.close()
 
 
-def test_hosts_and_their_fork_server_outlive_slurms_sigterm(tiny_models):
+def test_hosts_and_their_forker_outlive_slurms_sigterm(tiny_models):
     """scancel, preemption and the time limit SIGTERM every process of the step: the worker
-    decides when its hosts stop, so neither the hosts nor their fork server may die of it (a
-    dead fork server made the worker read exit code 255 for a live host and fail a Reload)."""
+    decides when its hosts stop, so neither the hosts nor their forker may die of it (a
+    dead fork server once made the worker read exit code 255 for a live host and fail a Reload)."""
     host = EngineHost(tiny_models / "policy", OPTS, start=False, name="policy")
     try:
         host.preloaded()
-        server = fork_server_pid()
+        server = host_forker.server_pid()
         for pid in (server, host.pid):
             os.kill(pid, signal.SIGTERM)
             os.kill(pid, signal.SIGHUP)
         assert host.call("preload") < 1.0    # the host answers after its signals
         second = EngineHost(tiny_models / "genrm", OPTS, start=False, name="genrm")
-        second.preloaded()                   # the server forks after its signals
+        second.preloaded()                   # the forker forks after its signals
         second.close()
-        assert _alive(server) and fork_server_pid() == server
+        assert _alive(server) and host_forker.server_pid() == server
         assert host._proc.exitcode is None and host.call("preload") < 1.0
     finally:
         host.close()

@@ -218,19 +218,51 @@ def _wait_empty(group: Path, wait_s: float) -> None:
         time.sleep(0.05)
 
 
-def quota_of(pid: int, root: CpuRoot | None = None) -> float | None:
-    """The CPU cap of `pid` in cores (None: uncapped), read from its cgroup."""
+def group_of(pid: int, root: CpuRoot | None = None) -> Path | None:
+    """The CPU controller's group of `pid` (None: not found in /proc/<pid>/cgroup)."""
     root = root or find_root()
-    rel = None
     for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
         _, controllers, path = line.split(":", 2)
         if (root.version == 1 and "cpu" in controllers.split(",")) or \
                 (root.version == 2 and controllers == ""):
-            rel = path
-            break
-    if rel is None:
+            return root.path / path.lstrip("/")
+    return None
+
+
+def _capped(group: Path | None) -> bool:
+    """A device's group of some job (`<root>/pivotrl-<job>/<name>`)."""
+    return group is not None and group.parent.name.startswith("pivotrl-")
+
+
+def follow(pid: int) -> None:
+    """Move `pid` into this process's device cap, if it has one: an engine host forked by
+    the node's forker (outside every cap) for a worker already capped."""
+    try:
+        root = find_root()
+        mine = group_of(os.getpid(), root)
+        if _capped(mine) and group_of(pid, root) != mine:
+            _write(mine / "cgroup.procs", str(pid))
+    except (CgroupError, OSError) as e:
+        log.warning("engine host %d not moved into this worker's CPU cap: %s", pid, e)
+
+
+def leave_caps(pid: int) -> None:
+    """Move `pid` out of a device cap it inherited (the node's host forker, started by a
+    capped worker, serves every device of the node)."""
+    try:
+        root = find_root()
+        if _capped(group_of(pid, root)):
+            _write(root.path / "cgroup.procs", str(pid))
+    except (CgroupError, OSError) as e:
+        log.warning("process %d left in a device's CPU cap: %s", pid, e)
+
+
+def quota_of(pid: int, root: CpuRoot | None = None) -> float | None:
+    """The CPU cap of `pid` in cores (None: uncapped), read from its cgroup."""
+    root = root or find_root()
+    group = group_of(pid, root)
+    if group is None:
         return None
-    group = root.path / rel.lstrip("/")
     if root.version == 1:
         quota = int((group / "cpu.cfs_quota_us").read_text())
         period = int((group / "cpu.cfs_period_us").read_text())

@@ -240,10 +240,11 @@ class Rank:
         from pivotrl_hpc.runtime.spec import worker_env, worker_spec
         os.environ.update(worker_env(self.cfg, device, ports))   # before torch is imported
         from pivotrl_hpc.gps.client import GPSClient              # imports overlap the
-        from pivotrl_hpc.runtime.engine_host import stop_fork_server
-        from pivotrl_hpc.runtime.serve import serve               # agents' start-up
+        from pivotrl_hpc.runtime import host_forker               # agents' start-up
+        from pivotrl_hpc.runtime.serve import serve
         from pivotrl_hpc.runtime.worker import DeviceWorker
 
+        os.environ[host_forker.ADDRESS_ENV] = host_forker.node_address(self.job, node)
         wait_barrier(node_comm, "GPS agent start-up")
         client = GPSClient(self.job, node)
         try:
@@ -257,7 +258,7 @@ class Rank:
             n = serve(self.world, _RoleLog(worker), controller=CONTROLLER_RANK)
             log.info("worker of device %d done after %d commands", device, n)
         finally:
-            stop_fork_server()
+            host_forker.leave()
             client.close()
 
     def _cap(self, children: list[int] = ()) -> None:

@@ -12,16 +12,16 @@ itself (`GPSRead`).
 Protocol: pickled (method, args) over a `multiprocessing` pipe; every reply carries the
 engine's `awake`, running count and the GPS version last read. A dead child or a call past
 its timeout raises `EngineHostError` naming the host, never hangs; the child exits when its
-worker dies (pipe EOF, or a watchdog on the worker's pidfd). Hosts fork from a per-worker
-fork server that imported vLLM once (`fork_server`), not each from a fresh interpreter. TP > 1 hosts are driven SPMD: each
-gets the same command stream (`spmd` drives several from one process).
+worker dies (pipe EOF, or a watchdog on the worker's pidfd). Hosts fork from their node's
+host forker, which imported vLLM once for every worker there (`host_forker`), not each from a
+fresh interpreter. TP > 1 hosts are driven SPMD: each gets the same command stream (`spmd`
+drives several from one process).
 """
 from __future__ import annotations
 
 import builtins
 import contextlib
 import logging
-import multiprocessing
 import os
 import signal
 import time
@@ -33,7 +33,7 @@ from typing import Any, Sequence
 from pivotrl_hpc.engines.vllm.types import (AbortedSequence, EngineOptions, EngineState,
                                             Sampling, StepOutput)
 from pivotrl_hpc.gps.layout import ParallelPlace
-from pivotrl_hpc.runtime import engine_host_child
+from pivotrl_hpc.runtime import engine_host_child, host_forker
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,11 @@ ROOT = Path(__file__).resolve().parents[2]
 _WORLD_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
 _MPI_PREFIXES = ("OMPI_", "PMIX_", "PMI_")
-PRELOAD = "pivotrl_hpc.runtime.engine_host_preload"
+
+
+def world_free(key: str) -> bool:
+    """An environment variable a host (or the forker) may inherit: no world identity."""
+    return key not in _WORLD_VARS and not key.startswith(_MPI_PREFIXES)
 
 
 @dataclass(frozen=True)
@@ -131,11 +135,11 @@ class EngineHost:
     # ------------------------------------------------------------------ process
     def _spawn(self):
         parent, child = Pipe(duplex=True)
-        proc = fork_server().Process(
-            target=engine_host_child.run, name=f"engine host {self.name}", daemon=True,
-            args=(child, os.getpid(), self.name, child_env(self.options, self.world)))
-        proc.start()
-        child.close()
+        try:
+            proc = host_forker.fork_host(os.getpid(), self.name,
+                                         child_env(self.options, self.world), child.fileno())
+        finally:
+            child.close()
         log.info("engine host %s: pid %d (TP %s)", self.name, proc.pid,
                  f"{self.world.rank}/{self.world.size}" if self.world else "1")
         return proc, parent
@@ -285,38 +289,6 @@ class EngineHost:
             remove_shm(self.world)
 
 
-def fork_server() -> multiprocessing.context.ForkServerContext:
-    """This process's fork server for engine hosts, started now if it is not running: one
-    process that imports vLLM once (`engine_host_preload`, in the background); each host
-    forks from it with the modules loaded instead of importing them itself (5 CPU-s a
-    host, two hosts a device). `fork_server_pid()` names it (the launcher caps it)."""
-    from multiprocessing import forkserver
-
-    multiprocessing.set_forkserver_preload([PRELOAD])
-    forkserver.ensure_running()
-    return multiprocessing.get_context("forkserver")
-
-
-def fork_server_pid() -> int:
-    from multiprocessing import forkserver
-
-    return forkserver._forkserver._forkserver_pid
-
-
-def stop_fork_server() -> None:
-    """End this process's fork server (a worker's end: its cgroup can only go once empty).
-    Killed, not asked: it exits by itself only when every host forked from it is gone, and
-    a host still alive leaves on its own when the worker exits (it watches the worker)."""
-    from multiprocessing import forkserver
-
-    pid = forkserver._forkserver._forkserver_pid
-    if pid is None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGKILL)
-    forkserver._forkserver._stop()   # closes our end of its pipes and reaps it
-
-
 def spmd(hosts: Sequence[EngineHost], method: str, *args: Any) -> list[Any]:
     """The same command to every host of a TP replica, then every reply (they run it
     together: a collective inside waits for all)."""
@@ -340,8 +312,7 @@ def engine_options_for(options: EngineOptions, world: TPWorld | None) -> EngineO
 def child_env(options: EngineOptions, world: TPWorld | None) -> dict[str, str]:
     """The host's environment: the parent's, less any torch/MPI world identity, plus its
     CPU share and (TP > 1) its replica world."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in _WORLD_VARS and not k.startswith(_MPI_PREFIXES)}
+    env = {k: v for k, v in os.environ.items() if world_free(k)}
     env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS=str(options.omp_threads))
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     env.setdefault("HF_HUB_OFFLINE", "1")

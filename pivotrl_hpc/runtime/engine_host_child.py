@@ -1,6 +1,6 @@
 """The engine host's own side: a child process of the device worker (see `engine_host`).
 
-Forked by the worker's fork server, which imported vLLM once (`preload`); `run(conn,
+Forked by the node's host forker, which imported vLLM once (`preload`); `run(conn,
 worker_pid, name, env)` takes the host's environment, then answers (method, args) from
 `conn` with (status, value, awake, running, version) until `close` or the pipe's EOF, and
 leaves as soon as the worker is gone (a watchdog thread on the worker's pidfd: an engine busy
@@ -25,7 +25,7 @@ log = logging.getLogger("pivotrl_hpc.runtime.engine_host")
 def preload() -> float:
     """Import vLLM and the engine adapter: every module an engine start imports (5 CPU-s
     here, not just `vllm`'s 2), so none is left for the first shift up, under the device's
-    CPU cap. Returns its seconds (0 once done in this process or its fork server)."""
+    CPU cap. Returns its seconds (0 once done in this process or its forker)."""
     t0 = time.perf_counter()
     from pivotrl_hpc.engines.vllm import backend, engine  # noqa: F401
 
@@ -34,9 +34,9 @@ def preload() -> float:
 
 
 def run(conn: Connection, worker_pid: int, name: str, env: dict[str, str]) -> None:
-    """The host's life, in a process forked from the fork server (`engine_host`)."""
+    """The host's life, in a process forked by the node's forker (`host_forker`)."""
     os.environ.clear()
-    os.environ.update(env)   # the fork server's environment is the worker's at its start
+    os.environ.update(env)   # the forker's environment is its starter's at its start
     os.dup2(2, 1)            # vLLM logs to stdout; a worker's stdout is data
     host = _Host()
     _watch_worker(worker_pid, host)
@@ -58,8 +58,9 @@ def run(conn: Connection, worker_pid: int, name: str, env: dict[str, str]) -> No
 
 
 def _watch_worker(pid: int, host: _Host) -> None:
-    """Leave when the worker dies. Not the parent: that is the fork server, which outlives
-    the worker while any host holds its liveness pipe. A pidfd never names a reused pid."""
+    """Leave when the worker dies. Not the parent: that is the node's forker, which outlives
+    the worker while other workers of the node hold sessions. A pidfd never names a reused
+    pid."""
     try:
         fd = os.pidfd_open(pid)
     except ProcessLookupError:
@@ -116,7 +117,7 @@ class _Host:
 
     # ------------------------------------------------------------------ commands
     def do_preload(self) -> float:
-        """Import vLLM ahead of the first start (job start-up; done by the fork server)."""
+        """Import vLLM ahead of the first start (job start-up; done by the forker)."""
         return preload()
 
     def do_start(self, model_dir, options, read, world) -> dict[str, float]:

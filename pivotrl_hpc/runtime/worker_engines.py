@@ -87,14 +87,15 @@ class WorkerEngines:
 
     def prewarm(self) -> list[int]:
         """Start the engine hosts now (job start-up, before the device's CPU cap): their
-        fork server imports vLLM while this process imports Megatron-Core (a training
-        device), so a first shift up builds only the engine. Returns the pids of the hosts
-        and of their fork server: the launcher moves them under the device's cap too."""
-        from pivotrl_hpc.runtime.engine_host import EngineHost, fork_server, fork_server_pid
+        node's host forker imports vLLM (once for the node) while this process imports
+        Megatron-Core (a training device), so a first shift up builds only the engine.
+        Returns the hosts' pids: the launcher moves them under the device's cap too."""
+        from pivotrl_hpc.runtime import host_forker
+        from pivotrl_hpc.runtime.engine_host import EngineHost
 
         if not self.spec.engine_process:
             return []
-        fork_server()
+        host_forker.ensure_running()
         if self.spec.trainer_config is not None:
             from pivotrl_hpc.engines.megatron.trainer import preload_megatron
             preload_megatron()
@@ -106,8 +107,7 @@ class WorkerEngines:
                     name=f"{model} on device {self.spec.device}")
         for host in self.engines.values():
             host.preloaded()
-        # the fork server too: a host it forks later (a restart) starts under the cap
-        return [host.pid for host in self.engines.values()] + [fork_server_pid()]
+        return [host.pid for host in self.engines.values()]
 
     def gps_read(self, model: str, place: ParallelPlace, version: int | None):
         from pivotrl_hpc.runtime.engine_host import GPSRead

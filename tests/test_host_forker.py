@@ -1,0 +1,110 @@
+"""The node's engine host forker (`runtime/host_forker.py`): one vLLM import for every worker
+of a node, shared through an abstract socket, gone with the last session and host."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from pivotrl_hpc.launch import cgroup
+from pivotrl_hpc.runtime import host_forker
+from pivotrl_hpc.runtime.engine_host import EngineHost
+
+ROOT = Path(__file__).resolve().parents[1]
+PEER = ROOT / "tests" / "programs" / "forker_peer.py"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return "\nState:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+
+
+def _wait_gone(pid: int, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not _alive(pid)
+
+
+@pytest.fixture
+def node(monkeypatch):
+    """A node's forker address of its own (not the test process's private forker)."""
+    name = host_forker.node_address(f"t{uuid.uuid4().hex[:8]}", "n0")
+    monkeypatch.setenv(host_forker.ADDRESS_ENV, name)
+    yield name
+    host_forker.leave()
+
+
+def _peer(tiny_models, *args) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(PEER), str(tiny_models / "policy"), *args],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def test_two_workers_of_a_node_share_one_forker_that_leaves_after_the_last(tiny_models, node):
+    host = EngineHost(tiny_models / "policy", start=False, name="first")
+    peer = _peer(tiny_models)
+    try:
+        host.preloaded()
+        server = host_forker.server_pid()
+        seen = json.loads(peer.stdout.readline())
+        # the peer's host is a child of the same forker, which imported vLLM for both
+        assert seen["server"] == server and seen["parent"] == server
+        assert seen["host"] != host.pid and _alive(host.pid)
+        host.close()
+        host_forker.leave()
+        assert _alive(server)            # the peer's session keeps it
+        peer.communicate("\n", timeout=60)
+        assert peer.returncode == 0
+        assert _wait_gone(server, 10)    # no session, no host: it leaves
+    finally:
+        peer.kill()
+        host.close()
+
+
+def test_a_hosts_exit_code_comes_from_the_forker_and_survives_its_death(tiny_models, node):
+    first = EngineHost(tiny_models / "policy", start=False, name="first")
+    second = EngineHost(tiny_models / "policy", start=False, name="second")
+    try:
+        first.preloaded()
+        second.preloaded()
+        os.kill(first.pid, signal.SIGKILL)
+        first._proc.join(10)
+        assert first._proc.exitcode == -signal.SIGKILL
+        os.kill(host_forker.server_pid(), signal.SIGKILL)
+        # the forker is gone, the host is not: still alive, still answering
+        time.sleep(0.2)
+        assert second._proc.exitcode is None and second.call("preload") < 1.0
+        second._proc.kill()                      # through its pidfd
+        second._proc.join(10)
+        assert second._proc.exitcode == host_forker.UNKNOWN_EXIT
+        assert not _alive(second.pid)
+    finally:
+        first.close()
+        second.close()
+
+
+def test_a_host_forked_for_a_capped_worker_joins_its_cap(tiny_models, node):
+    """The forker is outside every device's cap; a host forked for a capped worker is moved
+    into that worker's group, so a later host cannot run uncapped."""
+    job = f"forker{uuid.uuid4().hex[:6]}"
+    cgroup.check_writable(job)
+    peer = _peer(tiny_models, job)
+    try:
+        seen = json.loads(peer.stdout.readline())
+        assert seen["quota"] == pytest.approx(0.5)
+        assert cgroup.quota_of(seen["server"]) is None   # the forker itself: uncapped
+        peer.communicate("\n", timeout=60)
+        assert peer.returncode == 0
+    finally:
+        peer.kill()
+        cgroup.remove_job(job, wait_s=5)
