@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from proc_util import alive, ppid, wait_gone
+
 from pivotrl_hpc.engines.ports import free_port
 from pivotrl_hpc.engines.vllm.types import EngineOptions, Sampling
 from pivotrl_hpc.runtime import host_forker
@@ -174,18 +176,7 @@ def test_host_leaves_when_its_parent_dies(tiny_models):
     child = int(prog.stdout.readline())
     prog.kill()
     prog.wait()
-    deadline = time.monotonic() + 5
-    while _alive(child) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not _alive(child)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except FileNotFoundError:
-        return False
-    return "\nState:\tZ" not in status
+    assert wait_gone(child, 5)
 
 
 def test_a_hung_host_times_out_and_is_killed(tiny_models):
@@ -292,10 +283,6 @@ def test_a_preloaded_host_builds_on_first_use_and_matches(tiny_models, agent, re
         host.close()
 
 
-def _ppid(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-
-
 def test_hosts_fork_from_one_server_that_imported_vllm(tiny_models):
     """A device's hosts are forks of one forker, not fresh interpreters: the forker
     imported vLLM (its extension is mapped there) before it forked them, so no host pays
@@ -305,7 +292,7 @@ def test_hosts_fork_from_one_server_that_imported_vllm(tiny_models):
         for host in hosts:
             host.preloaded()
         server = host_forker.server_pid()
-        assert server != os.getpid() and [_ppid(h.pid) for h in hosts] == [server, server]
+        assert server != os.getpid() and [ppid(h.pid) for h in hosts] == [server, server]
         maps = Path(f"/proc/{server}/maps").read_text()
         assert "site-packages/vllm/_C" in maps
     finally:
@@ -328,7 +315,7 @@ def test_hosts_and_their_forker_outlive_slurms_sigterm(tiny_models):
         second = EngineHost(tiny_models / "genrm", OPTS, start=False, name="genrm")
         second.preloaded()                   # the forker forks after its signals
         second.close()
-        assert _alive(server) and host_forker.server_pid() == server
+        assert alive(server) and host_forker.server_pid() == server
         assert host._proc.exitcode is None and host.call("preload") < 1.0
     finally:
         host.close()

@@ -12,6 +12,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from proc_util import alive, wait_gone
 
 from pivotrl_hpc.launch import cgroup
 from pivotrl_hpc.runtime import host_forker
@@ -19,20 +20,6 @@ from pivotrl_hpc.runtime.engine_host import EngineHost
 
 ROOT = Path(__file__).resolve().parents[1]
 PEER = ROOT / "tests" / "programs" / "forker_peer.py"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return "\nState:\tZ" not in Path(f"/proc/{pid}/status").read_text()
-    except FileNotFoundError:
-        return False
-
-
-def _wait_gone(pid: int, seconds: float) -> bool:
-    deadline = time.monotonic() + seconds
-    while _alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return not _alive(pid)
 
 
 @pytest.fixture
@@ -59,13 +46,13 @@ def test_two_workers_of_a_node_share_one_forker_that_leaves_after_the_last(tiny_
         seen = json.loads(peer.stdout.readline())
         # the peer's host is a child of the same forker, which imported vLLM for both
         assert seen["server"] == server and seen["parent"] == server
-        assert seen["host"] != host.pid and _alive(host.pid)
+        assert seen["host"] != host.pid and alive(host.pid)
         host.close()
         host_forker.leave()
-        assert _alive(server)            # the peer's session keeps it
+        assert alive(server)            # the peer's session keeps it
         peer.communicate("\n", timeout=60)
         assert peer.returncode == 0
-        assert _wait_gone(server, 10)    # no session, no host: it leaves
+        assert wait_gone(server, 10)    # no session, no host: it leaves
     finally:
         peer.kill()
         host.close()
@@ -87,7 +74,7 @@ def test_a_hosts_exit_code_comes_from_the_forker_and_survives_its_death(tiny_mod
         second._proc.kill()                      # through its pidfd
         second._proc.join(10)
         assert second._proc.exitcode == host_forker.UNKNOWN_EXIT
-        assert not _alive(second.pid)
+        assert not alive(second.pid)
     finally:
         first.close()
         second.close()

@@ -5,15 +5,14 @@ waits for a line on stdin before it leaves (tests/test_host_forker.py)."""
 import json
 import os
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # tests/: proc_util
+from proc_util import ppid  # noqa: E402
 
 from pivotrl_hpc.launch import cgroup
 from pivotrl_hpc.runtime import host_forker
 from pivotrl_hpc.runtime.engine_host import EngineHost
-
-
-def _parent(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as f:
-        return int(f.read().rsplit(")", 1)[1].split()[1])
 
 
 def main() -> None:
@@ -22,7 +21,7 @@ def main() -> None:
     host = EngineHost(sys.argv[1], start=False, name="peer host")
     try:
         host.preloaded()
-        print(json.dumps({"host": host.pid, "parent": _parent(host.pid),
+        print(json.dumps({"host": host.pid, "parent": ppid(host.pid),
                           "server": host_forker.server_pid(),
                           "quota": cgroup.quota_of(host.pid) if cap else None}), flush=True)
     finally:
