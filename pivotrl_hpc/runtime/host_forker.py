@@ -231,8 +231,8 @@ class ForkedHost:
         self._status = self._pidfd = None
 
     def __del__(self) -> None:
-        if getattr(self, "_status", None) is not None:
-            self._close()
+        if hasattr(self, "_pidfd"):   # both fds: the pidfd outlives the status pipe when
+            self._close()             # the forker died before the host
 
 
 def _readable(fd: int, timeout: float | None = 0.0) -> bool:
