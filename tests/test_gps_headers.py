@@ -102,3 +102,35 @@ def test_fuzzed_headers_give_only_the_documented_error(data):
     except SegmentError:
         return
     _check(h, len(buf))
+
+
+@pytest.mark.parametrize("depth", [9, 1000, 100_000])
+def test_deep_nesting_is_a_segment_error_never_a_recursion_error(depth):
+    """Issue 35: 159 of 3000 fuzzed headers raised RecursionError (json.loads recurses)."""
+    body = _valid_body()
+    raw = json.dumps(body)[:-1] + ', "deep": ' + "[" * depth + "]" * depth + "}"
+    with pytest.raises(SegmentError, match=r"seg-x: header nests deeper than 8 levels"):
+        Header.parse(_file_raw(raw.encode()), where="seg-x")
+    # brackets inside strings are text, not nesting: still a valid header
+    body["__metadata__"]["note"] = "[" * depth
+    assert Header.parse(_file(body)).metadata["note"] == "[" * depth
+
+
+def _file_raw(raw: bytes, data: int = 1024) -> bytes:
+    return struct.pack("<Q", len(raw)) + raw + b"\0" * data
+
+
+def test_gps_serve_on_a_deeply_nested_checkpoint_exits_2_with_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    (tmp_path / "config.json").write_text("{}")
+    raw = b'{"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    (tmp_path / "model.safetensors").write_bytes(_file_raw(raw))
+    p = subprocess.run([sys.executable, "-m", "pivotrl_hpc.cli.main", "gps", "serve", "--job",
+                        "deephdr", "--node", "n0", "--model", f"policy={tmp_path}"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert "Traceback" not in p.stderr and "RecursionError" not in p.stderr, p.stderr[-2000:]
+    lines = [x for x in p.stderr.splitlines() if x.startswith("pivotrl gps serve:")]
+    assert len(lines) == 1 and "nests deeper than 8 levels" in lines[0], p.stderr[-2000:]

@@ -28,7 +28,7 @@ import torch
 from pivotrl_hpc.gps import device
 from pivotrl_hpc.gps.layout import TensorInfo
 from pivotrl_hpc.gps.shmdir import ROOT as SHM_ROOT
-from pivotrl_hpc.gps.shmdir import SHM_DIR
+from pivotrl_hpc.gps.shmdir import SHM_DIR, GPSMemoryError, reserve_file  # noqa: F401
 
 log = logging.getLogger(__name__)
 
@@ -42,14 +42,12 @@ _NAME_PART = re.compile(r"^[A-Za-z0-9_.]+$")
 
 
 MAX_HEADER_BYTES = 100 << 20   # safetensors' own limit
+MAX_HEADER_DEPTH = 8           # a safetensors header nests 3 deep: {name: {shape: [...]}}
+_JSON_NESTING = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}]')   # strings skipped whole
 
 
 class SegmentError(ValueError):
     """A segment or safetensors file whose header is malformed; names the file and tensor."""
-
-
-class GPSMemoryError(MemoryError):
-    """Not enough shared or host memory for what the GPS is asked to hold."""
 
 
 def itemsize(dtype: str) -> int:
@@ -120,8 +118,10 @@ class Header:
         (n,) = struct.unpack_from("<Q", buf, 0)
         if n > min(size - 8, MAX_HEADER_BYTES):
             raise SegmentError(f"{where}: header length {n} exceeds the file ({size} bytes)")
+        raw = bytes(buf[8:8 + n])
+        _check_depth(raw, where)   # json.loads recurses: deep nesting is a RecursionError
         try:
-            body = json.loads(bytes(buf[8:8 + n]))
+            body = json.loads(raw)
         except (UnicodeDecodeError, ValueError) as e:
             raise SegmentError(f"{where}: header is not JSON ({e})") from None
         if not isinstance(body, dict):
@@ -141,6 +141,19 @@ class Header:
             raise SegmentError(f"{where}: tensors end at {8 + n + end} but the file has "
                                f"{size} bytes")
         return cls({t.name: t for t in tensors}, 8 + n, meta)
+
+
+def _check_depth(raw: bytes, where: str) -> None:
+    depth = 0
+    for m in _JSON_NESTING.finditer(raw):
+        c = m.group()[0]
+        if c in b"[{":
+            depth += 1
+            if depth > MAX_HEADER_DEPTH:
+                raise SegmentError(f"{where}: header nests deeper than {MAX_HEADER_DEPTH} "
+                                   "levels: not a safetensors header")
+        elif c in b"]}":
+            depth -= 1
 
 
 def _tensor_info(where: str, name: str, v) -> TensorInfo:
@@ -266,9 +279,13 @@ def staging_prefix(job: str, node: str) -> str:
     return segment_prefix(job, node) + "stage-"
 
 
-def open_own(path: Path, flags: int) -> int:
-    """Open a file of this user only: no symlink followed, a regular file, owned by us."""
-    fd = os.open(path, flags | os.O_NOFOLLOW)
+def open_own(path: Path, flags: int, dir_fd: int | None = None) -> int:
+    """Open a file of this user only: no symlink followed, a regular file, owned by us. With
+    `dir_fd` (the GPS folder's descriptor), `path.name` is opened in that folder (openat)."""
+    if dir_fd is not None:
+        fd = os.open(path.name, flags | os.O_NOFOLLOW, dir_fd=dir_fd)
+    else:
+        fd = os.open(path, flags | os.O_NOFOLLOW)
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
         os.close(fd)
@@ -282,16 +299,6 @@ def _reserve_data(fd: int, path: Path, header: Header, ranges) -> None:
     for a, b in ranges:
         if b > a:
             reserve_file(fd, path, header.data_start + a, b - a)
-
-
-def reserve_file(fd: int, path: Path, offset: int, length: int) -> None:
-    try:
-        os.posix_fallocate(fd, offset, length)
-    except OSError as e:
-        free = memory_available()[0]
-        raise GPSMemoryError(f"{path.name}: {SHM_DIR} cannot hold {length} more bytes "
-                             f"({length / 2**20:.1f} MiB; {free} bytes free, "
-                             f"{max(0, length - free)} missing): {e.strerror}") from None
 
 
 class RawMap:

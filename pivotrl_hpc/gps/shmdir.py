@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import pwd
 import stat
 from pathlib import Path
 
@@ -29,18 +30,51 @@ def user_dir(uid: int | None = None) -> Path:
 SHM_DIR = user_dir()
 
 
+class GPSMemoryError(MemoryError):
+    """Not enough shared or host memory for what the GPS is asked to hold."""
+
+
+class FolderRefused(PermissionError):
+    """The user's GPS folder is not a 0700 folder of this user (squatted or planted)."""
+
+
 def check(path: Path = SHM_DIR) -> Path:
-    """`path` if it is a real 0700 folder of this user; PermissionError naming what is wrong."""
-    st = os.lstat(path)
+    """`path` if it is a real 0700 folder of this user; FolderRefused naming what is wrong."""
+    _check_stat(path, os.lstat(path))
+    return path
+
+
+def _check_stat(path: Path, st: os.stat_result) -> None:
     uid = os.getuid()
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid or st.st_mode & 0o077:
         kind = "a symlink" if stat.S_ISLNK(st.st_mode) else \
             "a folder" if stat.S_ISDIR(st.st_mode) else "a file"
-        raise PermissionError(
-            f"{path} is {kind} of uid {st.st_uid} with mode {stat.S_IMODE(st.st_mode):o}, not a "
-            f"0700 folder of uid {uid}: GPS refuses to keep weights there. Remove it (it may "
-            f"have been planted by another account) or set PIVOTRL_SHM_DIR elsewhere")
-    return path
+        fix = ("an administrator must remove it (another account made it: it cannot be "
+               "removed by you)" if st.st_uid != uid else "remove it")
+        raise FolderRefused(
+            f"{path} is {kind} of uid {st.st_uid} ({_user(st.st_uid)}) with mode "
+            f"{stat.S_IMODE(st.st_mode):o}, not a 0700 folder of uid {uid}: GPS refuses to "
+            f"keep weights there. Fix: {fix}, or set PIVOTRL_SHM_DIR to a folder of your own")
+
+
+def _user(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return "no such user"
+
+
+def open_dir(path: Path = SHM_DIR) -> int:
+    """The folder opened (O_DIRECTORY | O_NOFOLLOW) and checked through its descriptor: files
+    are then opened relative to it (`dir_fd=`), so a folder renamed or swapped for a symlink
+    after the check cannot redirect them (issue 35, N3)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        _check_stat(path, os.fstat(fd))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def ensure(path: Path = SHM_DIR) -> Path:
@@ -50,6 +84,20 @@ def ensure(path: Path = SHM_DIR) -> Path:
     except FileExistsError:
         pass
     return check(path)
+
+
+def reserve_file(fd: int, path: Path, offset: int, length: int) -> None:
+    """Allocate [offset, offset + length) of a shm file now (posix_fallocate): a full shm
+    fails here, naming the bytes missing, instead of a SIGBUS at the first store into a hole
+    of the mapping later (issue 11.8, 35)."""
+    try:
+        os.posix_fallocate(fd, offset, length)
+    except OSError as e:
+        st = os.statvfs(ROOT)
+        free = st.f_bavail * st.f_frsize
+        raise GPSMemoryError(f"{path.name}: {path.parent} cannot hold {length} more bytes "
+                             f"({length / 2**20:.1f} MiB; {free} bytes free, "
+                             f"{max(0, length - free)} missing): {e.strerror}") from None
 
 
 def job_files(job: str) -> list[Path]:
