@@ -290,7 +290,7 @@ def test_a_replica_that_lost_a_sequence_stops_the_run():
 
 def test_describe_says_what_the_loop_waits_on():
     ctl, _ = make_controller("shiftable")
-    ctl.executor.execute(split_bootstrap())
+    ctl.executor.execute(split_bootstrap(), 0)
     text = ctl.describe()
     assert "device 4: ShiftUp in flight" in text and "device 0: free" in text
     ctl.run()

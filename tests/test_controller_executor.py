@@ -177,7 +177,7 @@ def test_a_step_reply_of_a_replica_planned_down_is_stale_and_nothing_is_lost():
     from pivotrl_hpc.plan.types import ReplicaSpec, ShiftPlan
 
     ctl, _ = make_controller(paradigm="static", bootstrap=split_bootstrap(), steps=1)
-    ctl.executor.execute(ctl._bootstrap)
+    ctl.executor.execute(ctl._bootstrap, 0)
     ctl._bootstrap = None
     flow, busy = ctl.flows["rollout"], None
     while busy is None:   # run the loop until a rollout replica has a Step in flight
@@ -193,7 +193,7 @@ def test_a_step_reply_of_a_replica_planned_down_is_stale_and_nothing_is_lost():
     assert placed
     # every rollout replica goes down, so Algorithm 3 can only re-queue (not migrate)
     down = {rid: ctl.executor.book.replicas[rid].devices for rid in flow.sched.replicas}
-    ctl.executor.execute(ShiftPlan(tuple(down), (), "down, a Step in flight"))
+    ctl.executor.execute(ShiftPlan(tuple(down), (), "down, a Step in flight"), 1)
     assert all(flow.records[s].replica is None for s in placed)   # re-queued at once
     while ctl.executor.book.in_flight:   # the late Step reply, then the shift downs, land
         ctl.clock.wait_until(ctl.next_event())
@@ -202,7 +202,7 @@ def test_a_step_reply_of_a_replica_planned_down_is_stale_and_nothing_is_lost():
                for s in placed)
     # the static paradigm never shifts: bring rollout back by hand, then finish the job
     ctl.executor.execute(ShiftPlan((), tuple(ReplicaSpec("rollout", d) for d in down.values()),
-                                   "back up"))
+                                   "back up"), 2)
     summary = ctl.run()
     assert summary["steps"] == 1
     assert all(rec.finished for rec in flow.records.values() if rec.sid in placed)

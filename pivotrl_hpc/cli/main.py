@@ -31,6 +31,8 @@ COMMANDS: tuple[Command, ...] = (
             "the paper's evaluation on the simulator: figures as JSON and PNG"),
     Command("report", "pivotrl_hpc.cli.report",
             "turn an HDF5 trace into figures, a summary and a Perfetto timeline"),
+    Command("trace", "pivotrl_hpc.cli.trace",
+            "check a trace's invariants (docs/trace.md): pivotrl trace check TRACE"),
     Command("export", "pivotrl_hpc.cli.export",
             "write a run's trained policy as a HuggingFace model folder"),
     Command("plan", "pivotrl_hpc.cli.plan", "replay one planner decision from a snapshot"),

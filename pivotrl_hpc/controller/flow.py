@@ -69,7 +69,7 @@ class SeqRecord:
 STALL_STEPS = 64  # Steps of a replica without a token for a placed sequence: it is lost
 
 Finished = Callable[[SeqRecord, float], None]   # (record, now)
-Event = Callable[..., None]                      # trace hook: (event, record, replica)
+Event = Callable[..., None]          # trace hook: (event, record, replica[, tokens])
 
 
 class RoleFlow:
@@ -83,6 +83,7 @@ class RoleFlow:
         self.versions: dict[str, int | None] = {}   # replica -> policy version it serves
         self.tokens_total = 0
         self.preempted: list[tuple[str, int]] = []  # (replica, sid) to abort on the engine
+        self.releasing: dict[str, dict[int, list[int]]] = {}  # replica -> sid -> kept
         self._idle_steps: dict[int, int] = {}       # sid -> Steps of its owner without a token
 
     def submit(self, rec: SeqRecord) -> None:
@@ -90,28 +91,53 @@ class RoleFlow:
             raise ControllerError(f"{self.role}: sequence {rec.sid} submitted twice")
         self.records[rec.sid] = rec
         self.sched.submit(rec.as_sequence())
-        self.on_event("queue", rec, "")
+        self.on_event("admit", rec, "")
 
-    def place_ids(self, dst: str, sids, event: str = "dispatch") -> list[SeqRequest]:
-        """Record that `sids` now run on `dst` (Dispatch or migration); the requests to send
-        it, each resuming from the record."""
+    def place_ids(self, dst: str, sids) -> list[SeqRequest]:
+        """Record that `sids` now run on `dst`; the requests to send it, each resuming from
+        the record. From the queue it is a `dispatch`; from another replica, whose engine
+        still holds it until its Abort (or ShiftDown) is answered, a `migrate`."""
         reqs = []
         for sid in sids:
             rec = self.records[sid]
+            src = rec.replica
+            if src is not None:
+                self._leaving(src, rec)
             rec.replica = dst
             rec.epoch += 1
             reqs.append(rec.request())
-            self.on_event(event, rec, dst)
+            self.on_event("dispatch" if src is None else "migrate", rec, dst)
         return reqs
 
-    def aborted(self, sids: list[int], replica: str) -> None:
-        """Sequences a shift down returned to the queue (already re-queued by Algorithm 3)."""
+    def requeued(self, sids: list[int], replica: str) -> None:
+        """Sequences a shift down of `replica` returned to the queue (Algorithm 3 re-queued
+        them in the scheduler already): a `preempt`; its ShiftDown reply is their `abort`."""
         for sid in sids:
             rec = self.records[sid]
-            if rec.replica == replica:   # else a stale copy: the record moved it already
+            if rec.replica == replica:   # else the record moved it already
+                self._leaving(replica, rec)
                 rec.replica = None
                 rec.epoch += 1
-                self.on_event("abort", rec, replica)
+                self.on_event("preempt", rec, replica)
+
+    def _leaving(self, replica: str, rec: SeqRecord) -> None:
+        """`rec` leaves `replica` with the tokens it has now (the ones kept); the engine
+        there lets it go when its Abort or ShiftDown is answered (`released`)."""
+        self.releasing.setdefault(replica, {}).setdefault(rec.sid, []).append(len(rec.generated))
+
+    def released(self, replica: str, sids=None) -> None:
+        """The engine of `replica` answered an Abort of `sids` (None: its ShiftDown, every
+        sequence leaving it): an `abort` row each, with the tokens the record kept."""
+        pending = self.releasing.get(replica, {})
+        for sid in list(pending) if sids is None else sids:
+            kept = pending.get(sid, [])
+            for tokens in (kept if sids is None else kept[:1]):   # Aborts answer in order
+                self.on_event("abort", self.records[sid], replica, tokens)
+            del kept[:len(kept) if sids is None else 1]
+            if not kept:
+                pending.pop(sid, None)
+        if not pending:
+            self.releasing.pop(replica, None)
 
     def placed_on(self, replica: str) -> list[int]:
         """The unfinished sequences whose records place them on `replica`."""
@@ -173,6 +199,7 @@ class RoleFlow:
         if v is not None:
             rec.version = v if rec.version is None else min(rec.version, v)
         if not finishing and self.sched.grow(replica, sid, len(tokens)) is None:
+            self._leaving(replica, rec)
             rec.replica = None  # KV full: preempted back to the queue with its tokens
             rec.epoch += 1
             self.preempted.append((replica, sid))

@@ -76,6 +76,7 @@ class Controller:
                                  self.trace, clock.now, self._event, migrate)
         self.report = Reporter(self, self.trace)
         self.step = 0                       # next step to train
+        self.plans = 0                      # planner rows so far: the next plan_id
         self._plan_at = 0.0
         self._events = True
         self._bootstrap = bootstrap
@@ -93,8 +94,8 @@ class Controller:
         ok = False
         try:
             self.prebuild()
-            if self._bootstrap is not None:
-                self.executor.execute(self._bootstrap)
+            if self._bootstrap is not None:   # the start-up allocation: planner row 0
+                self._execute(self.snapshot(), self._bootstrap, None, 0.0)
             while not self.done():
                 self.stop_check()
                 self.collect()
@@ -107,10 +108,13 @@ class Controller:
                 self.clock.wait_until(self.next_event())
             self.report.tick(self.clock.now(), last=True)
             ok = True
+            # replies the query collects (a shift still in flight) land in the trace: the
+            # summary comes after them, so that it is what the rows say (trace check)
+            peak_rss = self.peak_rss()
             summary = self.report.summary()
             if self.stop_reason is not None:
                 summary["stopped"] = self.stop_reason
-            summary["peak_rss_mb"] = self.peak_rss()
+            summary["peak_rss_mb"] = peak_rss
             return summary
         finally:
             self.trace.flush()  # readable whatever happens next (a dead worker gets us killed)
@@ -186,15 +190,16 @@ class Controller:
                  seconds: float) -> None:
         """Re-check the plan against the state now (the loop went on while it was made)."""
         executed, reason = 0, "no shift" if plan is None else plan.reason
+        plan_id, self.plans = self.plans, self.plans + 1
         if plan is not None and not self.executor.book.in_flight:
             try:
                 check_plan(plan, self.executor.book.replicas, self.training.devices,
                            self.training.up, self.training.active, self.cfg.gpus)
-                self.executor.execute(plan)
+                self.executor.execute(plan, plan_id)
                 executed = 1
             except PlanError as exc:
                 reason = f"discarded: {exc}"
-        self.report.planner(snap, plan, report, seconds, executed, reason)
+        self.report.planner(plan_id, snap, plan, report, seconds, executed, reason)
 
     def snapshot(self) -> WorkloadSnapshot:
         tr = self.training
@@ -214,7 +219,11 @@ class Controller:
         return min(served + [self.published])
 
     def admit(self) -> None:
-        for s in self.book.admit(self.gen_version(), self.clock.now()):
+        version, held, now = self.gen_version(), self.book.held_s, self.clock.now()
+        admitted = self.book.admit(version, now)
+        if admitted or self.book.held_s != held:
+            self.report.admission(now, version, len(admitted), self.book.held_s - held)
+        for s in admitted:
             self._submit_rollout(s)
             self._events = True
 
@@ -252,12 +261,12 @@ class Controller:
             outputs, now = replies[0].result, self.clock.now()
             # what the Step cost beyond its engine iterations (the round trip through the
             # worker and its engine host, the loop's own turn), and a first Step's warm-up
-            first = self.report.step_timing(role, devices, now - sent,
-                                            sum(o.seconds for o in outputs))
+            engine_s = sum(o.seconds for o in outputs)
+            first = self.report.step_timing(role, devices, now - sent, engine_s)
             if not first:   # a first Step's warm-up is no decode iteration
                 self._observe(role, rid, load, sum(o.iterations for o in outputs), now - sent)
             new = self.flows[role].on_step(rid, outputs, now, epochs)
-            self.report.tokens(role, new)
+            self.report.work(now, role, rid, devices, now - sent, engine_s, new, first)
         return done
 
     def _observe(self, role: str, rid: str, load: tuple[int, int], iterations: int,
@@ -269,8 +278,9 @@ class Controller:
             self.flows[role].sched.model = self.models[role].model
             self.report.fit(role, fit)
 
-    def _seq_event(self, event: str, rec: SeqRecord, replica: str) -> None:
-        self.report.sequence(event, rec, replica)
+    def _seq_event(self, event: str, rec: SeqRecord, replica: str,
+                   tokens: int | None = None) -> None:
+        self.report.sequence(event, rec, replica, tokens)
 
     def _finished(self, rec: SeqRecord, now: float) -> None:
         self._events = True
@@ -298,7 +308,7 @@ class Controller:
                            tuple(tuple(s.logprobs) for s in samples),
                            tuple(s.score.reward for s in samples),
                            tuple(s.prompt.pid for s in samples))
-        tr.active = True
+        tr.active, tr.samples = True, len(samples)
         step, t0 = self.step, self.clock.now()
         self.devices.send(tr.devices, TrainStep(batch, publish=True),
                           lambda replies: self._trained(step, t0, replies))
@@ -307,7 +317,7 @@ class Controller:
         check_replies(replies)
         metrics = replies[0].result
         samples = self.book.trained(step)
-        self.step = step + 1
+        self.step, self.training.samples = step + 1, 0
         self._events = True
         self.report.step(step, metrics, samples, self.clock.now() - t0)
         # The GPS Write replicates while the loop goes on (§5.1); rollout reloads after.

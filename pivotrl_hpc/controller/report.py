@@ -13,7 +13,7 @@ import statistics
 from typing import TYPE_CHECKING, Any
 
 from pivotrl_hpc.controller.rl import Sample, lag
-from pivotrl_hpc.plan.snapshot import GEN_ROLES
+from pivotrl_hpc.plan.snapshot import GEN_ROLES, TRAINING, TRAINING_ID
 
 if TYPE_CHECKING:
     from pivotrl_hpc.controller.loop import Controller
@@ -33,7 +33,7 @@ class Reporter:
     def __init__(self, ctl: "Controller", trace) -> None:
         self.ctl, self.trace = ctl, trace or NullTrace()
         self.next_tick = 0.0
-        self._window = {r: 0 for r in GEN_ROLES}
+        self._window = {r: 0 for r in (*GEN_ROLES, TRAINING)}   # tokens this interval
         self._last_t = 0.0
         self.steps: list[dict[str, Any]] = []
         self.validations: list[dict[str, Any]] = []
@@ -43,13 +43,41 @@ class Reporter:
         self._overhead: dict[str, tuple[float, int]] = {}   # role -> (seconds, Steps)
         self._stepped: set[tuple[str, tuple[int, ...]]] = set()   # (role, devices) seen
         self._first: dict[str, list[float]] = {}   # role -> wall seconds of first Steps
+        self.device_work_s = 0.0   # device-seconds in Step / TrainStep (the `work` rows)
+        self.migrations = 0        # `migrate` rows: moves from one replica to another
+        self._admitted_at = -1     # the version the last admission was checked against
 
     # --- rows --------------------------------------------------------------------------
-    def sequence(self, event: str, rec, replica: str) -> None:
+    def sequence(self, event: str, rec, replica: str, tokens: int | None = None) -> None:
+        """One `sequences` row; `tokens` (an `abort`): the tokens the record kept."""
+        sample = self.ctl.book.samples.get(rec.sid)
+        version = -1 if rec.version is None else rec.version
+        if event == "admit":
+            version = self._admitted_at if rec.role == "rollout" else -1
+        self.migrations += event == "migrate"
         self.trace.append("sequences", t=self.ctl.clock.now(), seq_id=str(rec.sid),
                           event=event, role=rec.role, replica=replica,
-                          tokens=len(rec.generated),
-                          version=-1 if rec.version is None else rec.version)
+                          tokens=len(rec.generated) if tokens is None else tokens,
+                          version=version, step=-1 if sample is None else sample.batch,
+                          prompt_tokens=len(rec.prompt_ids))
+
+    def admission(self, now: float, version: int, samples: int, held_s: float) -> None:
+        """An admission round against policy `version`; `held_s`: the seconds the
+        staleness bound had held admission before it."""
+        self._admitted_at = version
+        self.trace.append("admission", t=now, version=version, published=self.ctl.published,
+                          samples=samples, held_s=held_s)
+
+    def work(self, now: float, role: str, replica: str, devices: tuple[int, ...],
+             seconds: float, engine_s: float, tokens: int, first: bool) -> None:
+        """A Step (or TrainStep) answered: a `work` row, the role's tokens this interval."""
+        self.device_work_s += seconds * len(devices)
+        self._window[role] += tokens
+        if tokens and role != TRAINING and self.first_token_t is None:
+            self.first_token_t = now
+        self.trace.append("work", t=now, role=role, replica=replica,
+                          devices=",".join(map(str, devices)), seconds=seconds,
+                          engine_s=engine_s, tokens=tokens, first=int(first))
 
     def step_timing(self, role: str, devices: tuple[int, ...], wall_s: float,
                     engine_s: float) -> bool:
@@ -63,11 +91,6 @@ class Reporter:
         self._first.setdefault(role, []).append(wall_s)
         return True
 
-    def tokens(self, role: str, n: int) -> None:
-        self._window[role] += n
-        if n and self.first_token_t is None:
-            self.first_token_t = self.ctl.clock.now()
-
     def fit(self, role: str, fit) -> None:
         if fit is None:
             return
@@ -79,7 +102,8 @@ class Reporter:
         log.info("fitted %s throughput model: %s (error %.1f %%, %s)", role, m.to_dict(),
                  100 * fit.rel_rms_error, "in use" if used else "too rough, not used")
 
-    def planner(self, snap, plan, report, seconds: float, executed: int, reason: str) -> None:
+    def planner(self, plan_id: int, snap, plan, report, seconds: float, executed: int,
+                reason: str) -> None:
         cands = [c.to_dict() for c in report.candidates] if report is not None else (
             [plan.to_dict()] if plan is not None else [])
         chosen = -1
@@ -89,7 +113,7 @@ class Reporter:
         elif plan is not None:
             chosen = 0
         self.trace.append("planner", t=self.ctl.clock.now(),
-                          plan_id=self.ctl.executor.book.plans - 1 if executed else -1,
+                          plan_id=plan_id,
                           policy=self.ctl.policy.name, decision_s=seconds, chosen=chosen,
                           reason=reason, executed=executed, snapshot=snap.to_dict(),
                           candidates=cands)
@@ -110,8 +134,15 @@ class Reporter:
             "loss": float(metrics.get("loss", math.nan)), "max_lag": max(lags),
             "seconds": seconds}
         self.steps.append(row)
+        for s in samples:
+            self.trace.append("sequences", t=row["t"], seq_id=str(s.sid), event="train",
+                              role=TRAINING, replica=TRAINING_ID, tokens=len(s.response),
+                              version=s.batch - lag(s), step=step,
+                              prompt_tokens=len(s.prompt.prompt_ids))
         # the data order: which prompts (and samples) this step trained, in sample order
         self.trace.append("steps", **row, prompts=[[s.prompt.pid, s.sid] for s in samples])
+        self.work(row["t"], TRAINING, TRAINING_ID, self.ctl.training.devices, seconds,
+                  math.nan, tokens, False)
         self.trace.flush()
         log.info("step %d done: reward %.3f, loss %.4f, lag <= %d, %.1f s", step,
                  row["reward_mean"], row["loss"], row["max_lag"], seconds)
@@ -153,10 +184,12 @@ class Reporter:
             parts.append(f"{role} {devices} dev {rate:.0f} tok/s")
             self._window[role] = 0
         tr = ctl.training
-        self.trace.append("timeseries", t=now, role="training",
+        self.trace.append("timeseries", t=now, role=TRAINING,
                           devices=len(tr.devices) if tr.up else 0, replicas=int(tr.up),
-                          running=int(tr.active), queued=0, tokens_per_s=0.0,
+                          running=tr.samples, queued=0,
+                          tokens_per_s=self._window[TRAINING] / dt,
                           tokens_total=self.trained_tokens)
+        self._window[TRAINING] = 0
         self.trace.flush()
         log.info("step %d/%d v%d | %s | training %s | shifts %d", ctl.step, ctl.cfg.steps,
                  ctl.published, " | ".join(parts), "up" if tr.up else "down",
@@ -193,6 +226,7 @@ class Reporter:
             "idle_fraction": self.idle_fraction(end),
             # when every device had built its engines asleep (roles.prebuild_engines)
             "prebuilt_s": ctl.prebuilt_s,
+            "migrations": self.migrations,
         }
 
     def steady_tokens_per_s(self) -> float | None:
@@ -205,10 +239,10 @@ class Reporter:
         return self.trained_tokens / seconds if seconds > 0 else None
 
     def idle_fraction(self, end: float) -> float | None:
-        work = self.ctl.devices.work_s
-        if self.ctl.devices.now is None or end <= 0:
+        """1 - (device-seconds of the `work` rows) / (devices x seconds): docs/trace.md."""
+        if end <= 0:
             return None
-        return max(0.0, 1.0 - sum(work.values()) / (len(work) * end))
+        return max(0.0, 1.0 - self.device_work_s / (self.ctl.cfg.gpus * end))
 
 
 def format_summary(s: dict[str, Any]) -> str:

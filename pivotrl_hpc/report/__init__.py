@@ -50,6 +50,7 @@ def _analyse(t) -> tuple[dict, list]:
     spans = device_spans(shifts, n, end)
     trained = int(steps["tokens"].sum()) if len(steps["t"]) else 0
     rewards = steps["reward_mean"]
+    events = t.table("sequences")["event"]
     return {
         "paradigm": t.meta.get("paradigm", ""), "devices": n, "seconds": end,
         "steps": int(len(steps["t"])), "trained_tokens": trained,
@@ -57,6 +58,8 @@ def _analyse(t) -> tuple[dict, list]:
         "reward_first": float(rewards[0]) if len(rewards) else None,
         "reward_last": float(rewards[-1]) if len(rewards) else None,
         "max_lag": int(steps["max_lag"].max()) if len(steps["t"]) else None,
+        # moves from one replica to another only: a dispatch from the queue is none
+        "migrations": int((events == "migrate").sum()),
         "shifts": shift_phase_means(shifts),
         "device_seconds": dict(sorted(seconds_by_role(spans).items())),
         "low_throughput_fraction": low_fractions(ts, steps),
@@ -71,7 +74,7 @@ def markdown(num: dict) -> str:
     lines = [f"# Run report: {num['paradigm'] or 'run'}", "",
              "| metric | value |", "|---|---|"]
     for key in ("devices", "seconds", "steps", "trained_tokens", "tokens_per_s",
-                "reward_first", "reward_last", "max_lag"):
+                "reward_first", "reward_last", "max_lag", "migrations"):
         lines.append(f"| {key} | {_f(num[key])} |")
     lines += ["", "| shift | count | mean s |", "|---|---|---|"]
     lines += [f"| {k} | {v['count']} | {_f(v['mean_s'])} |" for k, v in num["shifts"].items()]

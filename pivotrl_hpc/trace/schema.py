@@ -28,7 +28,7 @@ TABLES: dict[str, dict[str, str]] = {
     },
     "shifts": {
         "t": "float", "plan_id": "int", "direction": SHORT, "role": NAME, "replica": NAME,
-        "devices": DEVICES, "seconds": "float", "phases": "json",
+        "devices": DEVICES, "seconds": "float", "phases": "json", "version": "int",
     },
     "planner": {
         "t": "float", "plan_id": "int", "policy": NAME, "decision_s": "float", "chosen": "int",
@@ -36,7 +36,7 @@ TABLES: dict[str, dict[str, str]] = {
     },
     "sequences": {
         "t": "float", "seq_id": "str:128", "event": SHORT, "role": NAME, "replica": NAME,
-        "tokens": "int", "version": "int",
+        "tokens": "int", "version": "int", "step": "int", "prompt_tokens": "int",
     },
     "steps": {
         "t": "float", "step": "int", "version": "int", "samples": "int", "tokens": "int",
@@ -53,6 +53,14 @@ TABLES: dict[str, dict[str, str]] = {
         "error": "float", "samples": "int",
     },
     "events": {"t": "float", "kind": SHORT, "message": MESSAGE},
+    "work": {
+        "t": "float", "role": NAME, "replica": NAME, "devices": DEVICES, "seconds": "float",
+        "engine_s": "float", "tokens": "int", "first": "int",
+    },
+    "reloads": {"t": "float", "replica": NAME, "devices": DEVICES, "version": "int",
+                "seconds": "float"},
+    "admission": {"t": "float", "version": "int", "published": "int", "samples": "int",
+                  "held_s": "float"},
 }
 
 

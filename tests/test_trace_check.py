@@ -1,0 +1,207 @@
+"""`pivotrl trace check`: a simulated run's trace passes every invariant of docs/trace.md,
+and a copy of it broken on purpose (rewritten with the TraceWriter, one thing changed) fails
+the invariant that guards it. Also: the doc's tables equal the schema, column by column."""
+from __future__ import annotations
+
+import copy
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import h5py
+import pytest
+from live_util import model_overrides
+
+from pivotrl_hpc.config import load_config
+from pivotrl_hpc.sim.run import SimConstants, simulate
+from pivotrl_hpc.trace import TABLES, TraceWriter
+from pivotrl_hpc.trace.check import INVARIANTS, check, read
+
+ROOT = Path(__file__).resolve().parents[1]
+NAMES = [name.split(":")[0] for name, _ in INVARIANTS]
+
+
+@pytest.fixture(scope="module")
+def run(tiny_models, tmp_path_factory):
+    """A shiftable run with shifts, migrations, reloads and a held admission (k = 1)."""
+    cfg = load_config(ROOT / "configs" / "tiny-cpu.yaml",
+                      [*model_overrides(tiny_models), "rl.steps=4", "rl.staleness=1"])
+    path = tmp_path_factory.mktemp("check") / "run.h5"
+    simulate(cfg, SimConstants.from_config(cfg), path)
+    return path, read(path)
+
+
+def failed(path: Path) -> set[str]:
+    return {r.name.split(":")[0] for r in check(path) if not r.ok}
+
+
+def broken(run, tmp_path, edit) -> Path:
+    """The run's trace rewritten with `edit(rows, summary)` applied."""
+    _, (rows, meta, summary, _) = run
+    rows, summary = copy.deepcopy(rows), copy.deepcopy(summary)
+    edit(rows, summary)
+    out = tmp_path / "broken.h5"
+    with TraceWriter(out, meta) as w:
+        for table, table_rows in rows.items():
+            for row in table_rows:
+                w.append(table, **row)
+        w.close(summary)
+    return out
+
+
+def first(rows: list[dict], **match) -> dict:
+    return next(r for r in rows if all(r[k] == v for k, v in match.items()))
+
+
+def test_the_run_passes_every_invariant_and_the_cli_says_so(run):
+    path, (rows, _, summary, _) = run
+    assert all(r.ok for r in check(path)), [r.line() for r in check(path)]
+    events = {r["event"] for r in rows["sequences"]}
+    # the run exercises what the invariants are about
+    assert {"admit", "dispatch", "migrate", "abort", "finish", "reward", "train"} <= events
+    assert rows["reloads"] and rows["work"] and summary["staleness_held_s"] > 0
+    assert rows["planner"][0]["plan_id"] == 0 and rows["planner"][0]["executed"] == 1
+    p = subprocess.run([sys.executable, "-m", "pivotrl_hpc.cli.main", "trace", "check",
+                        str(path)], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert p.stdout.count("\n  ok ") == len(INVARIANTS)
+
+
+def test_a_rewritten_copy_still_passes(run, tmp_path):
+    """The rewriting itself breaks nothing: each failure below is the edit's."""
+    assert failed(broken(run, tmp_path, lambda rows, summary: None)) == set()
+
+
+def _retype_step_numbers(rows, summary):   # the old convention: steps from 1
+    for s in rows["steps"]:
+        s["step"] += 1
+
+
+def _unexecuted_plan_id(rows, summary):    # the old planner rows: -1 when not executed
+    first(rows["planner"], executed=0)["plan_id"] = -1
+
+
+def _migrate_from_the_queue(rows, summary):   # the old label of a shift-up dispatch
+    first(rows["sequences"], event="dispatch", role="rollout")["event"] = "migrate"
+
+
+def _abort_after_two_steps(rows, summary):
+    """The source's abort comes after it answered two more Steps."""
+    seqs = rows["sequences"]
+    for i, r in enumerate(seqs):
+        if r["event"] == "abort":
+            later = [w["t"] for w in rows["work"] if w["replica"] == r["replica"]
+                     and w["t"] > r["t"]]
+            if len(later) >= 2:
+                r["t"] = later[1]
+                return
+    raise AssertionError("no abort with two later Steps of its replica")
+
+
+def _step_tokens(rows, summary):
+    rows["steps"][1]["tokens"] += 1
+
+
+def _training_throughput_zero(rows, summary):   # the old hard-coded 0.0
+    first(rows["timeseries"], role="training",
+          tokens_per_s=next(r["tokens_per_s"] for r in rows["timeseries"]
+                            if r["role"] == "training" and r["tokens_per_s"] > 0)
+          )["tokens_per_s"] = 0.0
+
+
+def _abort_keeps_more_than_resumed(rows, summary):
+    r = first(rows["sequences"], event="abort")
+    r["tokens"] += 1000
+
+
+def _second_finish(rows, summary):
+    rows["sequences"].append(dict(first(rows["sequences"], event="finish", role="reward")))
+
+
+def _lag_beyond_k_at_training(rows, summary):
+    r = first(rows["sequences"], event="train", step=3)
+    r["version"] = 1   # lag 2 > k = 1
+
+
+def _admission_ahead_of_a_served_version(rows, summary):
+    rows["admission"][-1]["version"] += 1
+
+
+def _admit_beyond_k(rows, summary):
+    r = first(rows["sequences"], event="admit", role="rollout", step=3)
+    r["version"] = 1
+
+
+def _device_in_two_roles(rows, summary):
+    up = first(rows["shifts"], direction="up", role="reward")
+    rows["shifts"].insert(rows["shifts"].index(up) + 1,
+                          dict(up, role="rollout", replica="rollout-x"))
+
+
+@pytest.mark.parametrize("edit, invariant", [
+    (_retype_step_numbers, "numbering"), (_unexecuted_plan_id, "numbering"),
+    (_step_tokens, "tokens"), (_training_throughput_zero, "tokens"),
+    (_abort_keeps_more_than_resumed, "tokens"), (_second_finish, "finish"),
+    (_migrate_from_the_queue, "placement"), (_abort_after_two_steps, "placement"),
+    (_lag_beyond_k_at_training, "staleness"), (_admit_beyond_k, "staleness"),
+    (_admission_ahead_of_a_served_version, "staleness"), (_device_in_two_roles, "roles"),
+])
+def test_a_broken_trace_fails_its_invariant(run, tmp_path, edit, invariant):
+    assert invariant in failed(broken(run, tmp_path, edit))
+
+
+@pytest.mark.parametrize("figure", ["idle_fraction", "tau_shift", "staleness_held_s",
+                                    "step_overhead_s", "first_step_s", "migrations",
+                                    "in_flight_at_end", "steady_tokens_per_s", "shifts"])
+def test_a_summary_figure_off_fails_summary(run, tmp_path, figure):
+    def edit(rows, summary):
+        value = summary[figure]
+        if isinstance(value, dict):
+            key = next(iter(value))
+            value[key] = value[key] * 1.01 + 0.01
+        else:
+            summary[figure] = value + 1 if isinstance(value, int) else value * 1.01 + 0.01
+    assert failed(broken(run, tmp_path, edit)) == {"summary"}
+
+
+def test_a_trace_without_a_documented_table_fails_schema(run, tmp_path):
+    path, _ = run
+    copy_path = tmp_path / "old.h5"
+    copy_path.write_bytes(path.read_bytes())
+    import json
+    with h5py.File(copy_path, "r+") as f:
+        schema = json.loads(f.attrs["schema"])
+        del schema["work"]
+        f.attrs["schema"] = json.dumps(schema)
+    assert failed(copy_path) == {"schema"}
+    p = subprocess.run([sys.executable, "-m", "pivotrl_hpc.cli.main", "trace", "check",
+                        str(copy_path)], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1 and "FAIL  schema" in p.stdout, p.stdout + p.stderr
+
+
+def test_check_refuses_a_missing_file(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "pivotrl_hpc.cli.main", "trace", "check",
+                        str(tmp_path / "none.h5")], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "no trace at" in p.stderr
+
+
+def doc_tables() -> dict[str, dict[str, str]]:
+    """docs/trace.md's `### `name`` sections: column -> type, in the doc's order."""
+    text = (ROOT / "docs" / "trace.md").read_text()
+    out = {}
+    for m in re.finditer(r"^### `(\w+)`.*?\n(.*?)(?=^##)", text, re.S | re.M):
+        cols = {}
+        for row in re.finditer(r"^\| (`[^|]+) \| ([\w:]+) \|", m[2], re.M):
+            for name in re.findall(r"`(\w+)`", row[1]):
+                cols[name] = {"str": "str:64"}.get(row[2], row[2])
+        out[m[1]] = cols
+    return out
+
+
+def test_the_doc_and_the_schema_agree_column_by_column():
+    doc = doc_tables()
+    assert list(doc) == list(TABLES)
+    for table, columns in TABLES.items():
+        rest = {c: t for c, t in columns.items() if c != "t"}   # `t` is documented once
+        assert list(doc[table].items()) == list(rest.items()), table
