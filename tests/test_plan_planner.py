@@ -227,3 +227,41 @@ def test_role_with_work_and_no_replica_has_unbounded_tau(fig8):
     assert report.plan is not None and report.plan.benefit > 0
     # the 16 free GPUs form one free pair, taken first at no penalty
     assert report.pairs[0].shift_down == () and report.pairs[0].size == 4
+
+
+def test_a_candidates_migration_cost_is_its_moved_tokens_prefill(fig8):
+    """Step 4 charges each candidate the re-prefill of what it migrates: p x moved tokens x
+    the role's throughput per replica afterwards, per role, worked out here from the
+    scheduler's own replay (Figure 8: the planner shifts reward up, moving sequences)."""
+    from pivotrl_hpc.plan.evaluate import RoleReplay
+
+    snap, params = fig8
+    p = {"rollout": 2e-4, "reward": 5e-4}
+    free = PivotPlanner(params).explain(snap)
+    paid = PivotPlanner(dataclasses.replace(params, prefill_s_per_token=p)).explain(snap)
+    role = free.choice.role
+    replay = {r: RoleReplay(snap.roles[r].model, snap.role_replicas(r), snap.roles[r])
+              for r in ("rollout", "reward")}
+    charged = 0
+    for a, b in zip(free.candidates, paid.candidates):
+        assert a.estimate.migration_cost == 0.0
+        assert b.estimate.overall == a.estimate.overall
+        cost, replicas = 0.0, {r: len(snap.role_replicas(r)) for r in replay}
+        for r in replay:
+            down = [rid for rid in b.shift_down if rid in {x.replica_id
+                                                           for x in snap.role_replicas(r)}]
+            if not down:
+                continue
+            thr, moved = replay[r].shift_down(down)
+            assert moved == sum(x.n_tok for x in snap.replicas if x.replica_id in down)
+            if replicas[r] > len(down):   # none left: they wait, nothing is prefilled yet
+                cost += p[r] * moved * thr / (replicas[r] - len(down))
+        thr, moved = replay[role].shift_up(b.candidate.k, params.migrate)
+        cost += p[role] * moved * thr / (replicas[role] + b.candidate.k)
+        charged += moved > 0
+        assert b.estimate.migration_cost == pytest.approx(cost, rel=1e-12)
+        assert b.benefit == pytest.approx(a.benefit - cost, rel=1e-9, abs=1e-6)
+    assert charged   # some candidate migrated something
+    # prefill dear enough, and no shift pays for its migration any more
+    dear = dataclasses.replace(params, prefill_s_per_token={"rollout": 1.0, "reward": 1.0})
+    assert free.plan is not None and PivotPlanner(dear).decide(snap) is None

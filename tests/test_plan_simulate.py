@@ -50,9 +50,10 @@ def _random_snapshots(count: int):
 
 
 @pytest.mark.parametrize("params", [PlannerParams(), PlannerParams(migrate=False),
+                                    PlannerParams(migrate="paper"),
                                     PlannerParams(binary_throughput=True),
                                     PlannerParams(horizon_s=5.0)],
-                         ids=["default", "no-migration", "binary", "short-horizon"])
+                         ids=["default", "no-migration", "paper", "binary", "short-horizon"])
 def test_fast_simulation_matches_replay_on_random_snapshots(params):
     for snap in _random_snapshots(40):
         fast, replay = _both(PivotPlanner(params), snap)
@@ -93,6 +94,6 @@ def test_every_shift_down_set_and_count_agree(model):
                 down = rng.sample(ids, rng.randint(0, len(ids)))
                 assert fast.shift_down(down) == plain.shift_down(down), (i, role, down)
             for count in range(1, 7):
-                for migrate in (True, False):
+                for migrate in ("least_loss", "paper", False):
                     assert (fast.shift_up(count, migrate)
                             == plain.shift_up(count, migrate)), (i, role, count, migrate)

@@ -4,9 +4,11 @@ from __future__ import annotations
 import math
 import random
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pivotrl_hpc.sched.migration import LEAST_LOSS_BOUND
 from pivotrl_hpc.sched import (Move, OpCounter, Replica, Scheduler, Sequence,
                                ThroughputModel)
 
@@ -45,16 +47,17 @@ def _where(s: Scheduler) -> dict[int, str]:
 
 @settings(max_examples=80, deadline=None)
 @given(workloads, st.lists(st.integers(50, 6_000), max_size=30), st.integers(1, 4),
-       st.sampled_from([20_000, 120_000]))
-def test_shift_up_conserves_and_never_lowers_throughput(loads, queue, k, cap):
+       st.sampled_from([20_000, 120_000]), st.sampled_from(["paper", "least_loss"]))
+def test_shift_up_conserves_and_never_lowers_throughput(loads, queue, k, cap, loop):
     s = _scheduler(loads, queue, cap)
     before_ids = set(_where(s))
     before = s.aggregate_throughput()
-    result = s.shift_up_migration([Replica(f"new{i}", cap) for i in range(k)])
+    result = s.shift_up_migration([Replica(f"new{i}", cap) for i in range(k)], loop)
     assert set(_where(s)) == before_ids
     assert s.aggregate_throughput() >= before - 1e-9
     assert result.throughput_after >= result.throughput_before - 1e-9
-    assert result.iterations <= sum(len(x) for x in loads) + len(queue)
+    bound = 1 if loop == "paper" else LEAST_LOSS_BOUND   # appendix C.2: N^Seq moves
+    assert result.iterations <= bound * (sum(len(x) for x in loads) + len(queue))
 
 
 @settings(max_examples=80, deadline=None)
@@ -87,7 +90,7 @@ def test_shift_up_moves_shortest_off_the_busiest_replica():
     lengths = [300, 5000, 4000, 3000, 2000, 1000, 900, 800] * 4
     s = _scheduler([lengths])
     before = s.aggregate_throughput()
-    result = s.shift_up_migration([Replica("new", 120_000)])
+    result = s.shift_up_migration([Replica("new", 120_000)], "paper")
     assert result.iterations > 0
     first = result.moves[0]
     assert (first.seq_id, first.src, first.dst) == (0, "r0", "new")  # shortest of r0
@@ -133,8 +136,65 @@ def test_counted_operations_within_o_i_n_plus_i_log_i():
         s = _scheduler(loads, cap=10**7, counter=counter)
         n_seq = sum(r.n_seq for r in s.replicas.values())
         down = s.shift_down_migration([f"r{i}" for i in range(0, n_reps, 4)])
-        s.shift_up_migration([Replica(f"u{i}", 10**7) for i in range(n_reps // 4)])
+        s.shift_up_migration([Replica(f"u{i}", 10**7) for i in range(n_reps // 4)], "paper")
         bound = 2 * (n_reps * n_seq + n_reps * math.log2(n_reps)) + 4 * n_seq
         assert counter.total() <= bound, (n_reps, counter, bound)
         assert counter.migrations <= n_seq
         assert counter.dispatched >= len(down.aborted) > 0  # aborted ones were re-placed
+
+
+# Saturating: compute bound from 40 sequences a replica (C·n > B), as the GenRM is at RL batches
+SATURATING = ThroughputModel(A=4e-8, B=0.02, C=5e-4, D=0.004)
+crowded = st.lists(st.lists(st.integers(50, 3_000), max_size=160), min_size=1, max_size=6)
+
+
+def _improving_moves(s: Scheduler, tol: float) -> list[tuple[str, str, float]]:
+    """Every move of a replica's shortest sequence to another replica with room that would
+    raise aggregate throughput by more than `tol` (brute force over all pairs)."""
+    tp, found = s.model.throughput, []
+    for src in s.replicas.values():
+        seq = src.shortest()
+        if seq is None:
+            continue
+        loss = tp(src.n_seq, src.n_tok) - tp(src.n_seq - 1, src.n_tok - seq.length)
+        for dst in s.replicas.values():
+            if dst is src or dst.remaining < seq.length:
+                continue
+            gain = tp(dst.n_seq + 1, dst.n_tok + seq.length) - tp(dst.n_seq, dst.n_tok) - loss
+            if gain > tol:
+                found.append((src.replica_id, dst.replica_id, gain))
+    return found
+
+
+@settings(max_examples=120, deadline=None)
+@given(crowded, st.lists(st.integers(50, 3_000), max_size=60), st.integers(1, 4),
+       st.sampled_from([SATURATING, M]), st.sampled_from([60_000, 400_000]))
+def test_least_loss_leaves_no_improving_move_and_loses_nothing(loads, queue, k, model, cap):
+    s = _scheduler(loads, queue, cap)
+    s.model = model
+    before_ids, before = set(_where(s)), s.aggregate_throughput()
+    result = s.shift_up_migration([Replica(f"new{i}", cap) for i in range(k)], "least_loss")
+    assert set(_where(s)) == before_ids          # nothing lost, nothing duplicated
+    assert s.aggregate_throughput() >= before - 1e-9
+    if not s.queue:  # migration runs once every waiting sequence found room
+        assert _improving_moves(s, 1e-9 * s.aggregate_throughput()) == []
+    assert result.iterations <= LEAST_LOSS_BOUND * (sum(map(len, loads)) + len(queue))
+
+
+def test_paper_migration_stalls_where_least_loss_goes_on():
+    """Issue 41's regime: one replica crowded past saturation, the others light. Algorithm
+    4 takes the max-throughput replica (a light one) as source and stops at its first
+    non-improving move; least_loss keeps moving off the crowded one."""
+    loads = [[400 + 7 * i for i in range(300)], [500] * 30, [500] * 30]
+    after = {}
+    for loop in ("paper", "least_loss"):
+        s = _scheduler(loads, cap=400_000)
+        s.model = SATURATING
+        s.shift_up_migration([Replica("new", 400_000)], loop)
+        after[loop] = (s.aggregate_throughput(), max(r.n_seq for r in s.replicas.values()),
+                       len(_improving_moves(s, 1e-9)))
+    assert after["paper"][2] > 0 and after["least_loss"][2] == 0
+    assert after["least_loss"][0] > after["paper"][0]
+    assert after["least_loss"][1] < after["paper"][1]
+    with pytest.raises(ValueError, match="unknown migration 'fastest'"):
+        _scheduler(loads).shift_up_migration([Replica("new", 400_000)], "fastest")

@@ -105,6 +105,11 @@ class WorkloadConfig:
     rollout_sigma: float = 0.8
     genrm_median: int = 6
     genrm_sigma: float = 0.6
+    # Simulator only: judge prompt tokens per response token, on top of the judge template
+    # and the problem (0: as the GenRM's tokenizer re-encodes the response; the stand-in
+    # tokenizer makes ~1.6 of a modeled response token). Policy and GenRM of the paper
+    # groups share a BPE family, so their judge prompts carry the response at ~1.0.
+    judge_prompt_ratio: float = 0.0
 
 
 @dataclass
@@ -116,6 +121,11 @@ class ParadigmConfig:
     shift_seconds_reward: float = 5.0
     shift_seconds_training: float = 8.0
     planner_interval_s: float = 5.0
+    # Shift-up migration loop (sched/migration.py): "least_loss" (source: the replica whose
+    # shortest sequence costs it the least throughput; stops when no replica has an
+    # improving move) or "paper" (Algorithm 4 as stated: the max-throughput replica as
+    # source, stop at its first non-improving move; an ablation)
+    migration: Literal["least_loss", "paper"] = "least_loss"
     rule_high_kv: float = 0.8    # rule-based ablation: shift up above this KV utilisation
     rule_low_kv: float = 0.1     # ... and shift down below this one
     # Initial (and, for fixed paradigms, permanent) devices per role.
@@ -138,6 +148,12 @@ class ThroughputConstants:
 class ThroughputConfig:
     policy: ThroughputConstants = field(default_factory=ThroughputConstants)
     genrm: ThroughputConstants = field(default_factory=ThroughputConstants)
+    # Seconds a replica spends prefilling one token: a prompt at admission, a migrated
+    # sequence's prompt + generated tokens where it lands. The planner charges it to a
+    # candidate's migrations (plan/evaluate.py); 0: not charged. `pivotrl simulate` sets
+    # it from the hardware profile (sim/profile.py) for the run.
+    prefill_s_per_token_policy: float = 0.0
+    prefill_s_per_token_genrm: float = 0.0
 
 
 @dataclass

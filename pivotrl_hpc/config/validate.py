@@ -36,6 +36,12 @@ def _positive(cfg: Config) -> None:
                                                   "(bytes/s; `pivotrl profile links` measures it)")
     if not links.overhead_s >= 0:
         raise ConfigError("gps.links.overhead_s", f"{links.overhead_s!r} must be >= 0")
+    for section, key in (("throughput", "prefill_s_per_token_policy"),
+                         ("throughput", "prefill_s_per_token_genrm"),
+                         ("workload", "judge_prompt_ratio")):
+        value = getattr(getattr(cfg, section), key)
+        if not value >= 0:
+            raise ConfigError(f"{section}.{key}", f"{value!r} must be >= 0")
 
 
 def _replicas(cfg: Config) -> None:

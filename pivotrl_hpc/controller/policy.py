@@ -30,7 +30,11 @@ def policy_params(cfg: Config) -> dict[str, Any]:
     """The plain parameters `plan.make_policy` takes for the configured paradigm."""
     p = cfg.paradigm
     if p.name in PLANNERS:
-        return {"horizon_s": p.horizon_s, "tau_shift": initial_tau(cfg)}
+        t = cfg.throughput
+        return {"horizon_s": p.horizon_s, "tau_shift": initial_tau(cfg),
+                "migrate": p.migration,
+                "prefill_s_per_token": {"rollout": t.prefill_s_per_token_policy,
+                                        "reward": t.prefill_s_per_token_genrm}}
     if p.name == "rule_based":
         return {"high": p.rule_high_kv, "low": p.rule_low_kv}
     if p.name == "disaggregated":

@@ -17,6 +17,7 @@ from typing import Callable, Iterable, Mapping
 from pivotrl_hpc.plan.simulate import FastRole
 from pivotrl_hpc.plan.snapshot import (GEN_ROLES, REWARD, ROLLOUT, TRAINING_ID, ReplicaState,
                                        RolePool, WorkloadSnapshot)
+from pivotrl_hpc.sched.migration import MigrationSpec
 from pivotrl_hpc.sched.model import BinaryThroughputModel, ReplicaThroughput
 from pivotrl_hpc.sched.scheduler import Scheduler
 from pivotrl_hpc.sched.state import Replica, Sequence, WaitingQueue
@@ -49,9 +50,13 @@ class Estimate:
     rollout: float
     reward: float
     overall: float
+    # tokens the migrated sequences' re-prefill costs: each moved token stalls a replica of
+    # its role for prefill_s_per_token seconds, at that role's mean throughput per replica
+    migration_cost: float = 0.0
 
     def to_dict(self) -> dict[str, float]:
-        return {"rollout": self.rollout, "reward": self.reward, "overall": self.overall}
+        return {"rollout": self.rollout, "reward": self.reward, "overall": self.overall,
+                "migration_cost": self.migration_cost}
 
 
 class RoleReplay:
@@ -70,16 +75,17 @@ class RoleReplay:
         self.pool = pool
         self.now = self.base.aggregate_throughput()
 
-    def shift_up(self, count: int, migrate: bool = True) -> float:
+    def shift_up(self, count: int, migrate: MigrationSpec = True) -> tuple[float, int]:
         sched = self.base.copy()
         new = [Replica(f"{self.pool.role}+{i}", self.pool.kv_capacity) for i in range(count)]
-        return sched.shift_up_migration(new, migrate=migrate).throughput_after
+        result = sched.shift_up_migration(new, migrate=migrate)
+        return result.throughput_after, result.moved_tokens
 
-    def shift_down(self, down: Iterable[str]) -> float:
+    def shift_down(self, down: Iterable[str]) -> tuple[float, int]:
         sched = self.base.copy()
         ids = set(down)
-        return sched.shift_down_migration([r for r in sched.replicas if r in ids]
-                                          ).throughput_after
+        result = sched.shift_down_migration([r for r in sched.replicas if r in ids])
+        return result.throughput_after, result.moved_tokens
 
 
 class MigrationSimulator:
@@ -89,18 +95,20 @@ class MigrationSimulator:
     tested against."""
 
     def __init__(self, snap: WorkloadSnapshot,
-                 model_of: Callable[[str], ReplicaThroughput], migrate: bool = True,
-                 replay: bool = False) -> None:
+                 model_of: Callable[[str], ReplicaThroughput], migrate: MigrationSpec = True,
+                 replay: bool = False, prefill: Mapping[str, float] | None = None) -> None:
         self.snap = snap
         self.migrate = migrate
+        self.prefill = dict(prefill or {})   # role -> seconds a replica prefills a token
+        self.n_replicas = {role: len(snap.role_replicas(role)) for role in GEN_ROLES}
         kind = RoleReplay if replay else FastRole
         self.roles = {role: kind(model_of(role), snap.role_replicas(role), snap.roles[role])
                       for role in GEN_ROLES}
         self.counts = {role: snap.role_sequences(role) for role in GEN_ROLES}
         self.role_of = {r.replica_id: r.role for r in snap.replicas}
         self._now = {role: sim.now for role, sim in self.roles.items()}
-        self._up: dict[tuple[str, int], float] = {}
-        self._down: dict[tuple[str, frozenset[str]], float] = {}
+        self._up: dict[tuple[str, int], tuple[float, int]] = {}
+        self._down: dict[tuple[str, frozenset[str]], tuple[float, int]] = {}
         self.simulations = 0
 
     def __getstate__(self) -> dict:
@@ -111,18 +119,20 @@ class MigrationSimulator:
     def current(self) -> Estimate:
         return self._estimate(self._now)
 
-    def _estimate(self, thr: Mapping[str, float]) -> Estimate:
+    def _estimate(self, thr: Mapping[str, float], cost: float = 0.0) -> Estimate:
         overall = harmonic_throughput((self.counts[r], thr[r]) for r in GEN_ROLES)
-        return Estimate(thr[ROLLOUT], thr[REWARD], overall)
+        return Estimate(thr[ROLLOUT], thr[REWARD], overall, cost)
 
-    def shift_up_throughput(self, role: str, count: int) -> float:
+    def shift_up_throughput(self, role: str, count: int) -> tuple[float, int]:
+        """The role's aggregate throughput after `count` replicas shift up, and the tokens
+        its migration moved."""
         key = (role, count)
         if key not in self._up:
             self._up[key] = self.roles[role].shift_up(count, self.migrate)
             self.simulations += 1
         return self._up[key]
 
-    def shift_down_throughput(self, role: str, down: frozenset[str]) -> float:
+    def shift_down_throughput(self, role: str, down: frozenset[str]) -> tuple[float, int]:
         key = (role, down)
         if key not in self._down:
             self._down[key] = self.roles[role].shift_down(down)
@@ -137,13 +147,21 @@ class MigrationSimulator:
         return by_role
 
     def estimate(self, up_role: str, up_count: int, shift_down: Iterable[str]) -> Estimate:
-        """Rollout, reward and Eq. (1) throughput after the candidate's shifts."""
+        """Rollout, reward and Eq. (1) throughput after the candidate's shifts, and what its
+        migrations' re-prefill costs."""
         thr = dict(self._now)
+        moved = dict.fromkeys(GEN_ROLES, 0)
+        replicas = dict(self.n_replicas)
         for role, ids in self._down_by_role(shift_down).items():
-            thr[role] = self.shift_down_throughput(role, frozenset(ids))
+            thr[role], moved[role] = self.shift_down_throughput(role, frozenset(ids))
+            replicas[role] -= len(ids)
         if up_role in GEN_ROLES and up_count:
-            thr[up_role] = self.shift_up_throughput(up_role, up_count)
-        return self._estimate(thr)
+            thr[up_role], tokens = self.shift_up_throughput(up_role, up_count)
+            moved[up_role] += tokens
+            replicas[up_role] += up_count
+        cost = sum(self.prefill.get(r, 0.0) * moved[r] * thr[r] / replicas[r]
+                   for r in GEN_ROLES if moved[r] and replicas[r] > 0)
+        return self._estimate(thr, cost)
 
 
 def benefit(horizon_s: float, current: float, candidate: float, penalty: float) -> float:

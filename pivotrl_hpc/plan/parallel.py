@@ -33,6 +33,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 from pivotrl_hpc.plan.evaluate import Estimate, MigrationSimulator, role_models
 from pivotrl_hpc.plan.snapshot import WorkloadSnapshot
+from pivotrl_hpc.sched.migration import MigrationSpec
 
 # K * N^Seq below which step 4 stays sequential. Measured with 2 workers on synthetic
 # snapshots on an otherwise idle 2-core machine (medians of 31 decisions, ms, sequential vs
@@ -74,17 +75,25 @@ def chunked(n: int, chunks: int) -> list[list[int]]:
     return [list(range(j, n, chunks)) for j in range(min(chunks, n))]
 
 
-def estimate_all(executor: Any, snap: WorkloadSnapshot, config: tuple[bool, bool, bool],
+# (migrate, binary_throughput, replay, prefill seconds per token as (role, s) pairs)
+Config = tuple[MigrationSpec, bool, bool, tuple[tuple[str, float], ...]]
+
+
+def simulator(snap: WorkloadSnapshot, config: Config) -> MigrationSimulator:
+    migrate, binary, replay, prefill = config
+    return MigrationSimulator(snap, role_models(snap, binary), migrate, replay, dict(prefill))
+
+
+def estimate_all(executor: Any, snap: WorkloadSnapshot, config: Config,
                  role: str, shifts: Sequence[Shift], chunks: int
                  ) -> tuple[Estimate, list[Estimate]]:
     """Current estimate and one estimate per shift, in order, computed chunk-wise on
-    `executor`. `config` is (migrate, binary_throughput, replay)."""
+    `executor`."""
     entry = _SHARED.get(id(snap))
     if entry is not None and entry[0] is snap:
         key, blob = entry[1], None
     else:
-        migrate, binary, replay = config
-        sim = MigrationSimulator(snap, role_models(snap, binary), migrate, replay)
+        sim = simulator(snap, config)
         key, blob = "", pickle.dumps(sim, pickle.HIGHEST_PROTOCOL)
     tasks = [(key, blob, config, role, [(i, shifts[i]) for i in part])
              for part in chunked(len(shifts), chunks)]
@@ -101,8 +110,7 @@ def _map(executor: Any, fn: Callable, items: Iterable) -> list:
     return list(mapper(fn, items) if mapper is not None else executor(fn, items))
 
 
-def _simulator(key: str, blob: bytes | None, config: tuple[bool, bool, bool]
-               ) -> MigrationSimulator:
+def _simulator(key: str, blob: bytes | None, config: Config) -> MigrationSimulator:
     """Worker side: a fresh simulator (no cached results) from the shipped or installed
     state."""
     if blob is not None:
@@ -111,8 +119,7 @@ def _simulator(key: str, blob: bytes | None, config: tuple[bool, bool, bool]
     if snap is None:
         raise LookupError(f"snapshot {key} is not installed in this worker: create the pool "
                           "with **plan.parallel.share(snap)")
-    migrate, binary, replay = config
-    return MigrationSimulator(snap, role_models(snap, binary), migrate, replay)
+    return simulator(snap, config)
 
 
 def _evaluate_chunk(task: tuple) -> tuple[Estimate, list[tuple[int, Estimate]]]:

@@ -3,7 +3,8 @@
 1. shift-up role: training if its next batch is ready, else the larger τ_Role;
 2. shift pairs with penalty φ = Σ τ_shift · T_i, ascending;
 3. candidate set by the DP of Algorithm 1 (one per shift-up count k);
-4. each candidate's throughput by migration simulation, Eq. (1), B = H·ΔT − φ;
+4. each candidate's throughput by migration simulation, Eq. (1), B = H·ΔT − φ − the tokens
+   its migrated sequences' re-prefill costs (`prefill_s_per_token`, plan.evaluate);
 5. the best positive candidate, or no shift.
 
 Training shifts up as a whole, so it has one candidate, taken whatever its benefit: the
@@ -29,11 +30,12 @@ from typing import Any
 
 from pivotrl_hpc.plan import parallel
 from pivotrl_hpc.plan.dp import Candidate, construct_candidates
-from pivotrl_hpc.plan.evaluate import Estimate, MigrationSimulator, benefit, role_models
+from pivotrl_hpc.plan.evaluate import Estimate, benefit, role_models
 from pivotrl_hpc.plan.pairs import (RoleChoice, ShiftPair, ThroughputOf, prepare_shift_pairs,
                                     select_shift_up_role, training_pair)
 from pivotrl_hpc.plan.snapshot import TRAINING, WorkloadSnapshot
 from pivotrl_hpc.plan.types import ReplicaSpec, ShiftPlan
+from pivotrl_hpc.sched.migration import MigrationSpec, resolve
 
 
 def _default_tau_shift() -> dict[str, float]:
@@ -44,7 +46,13 @@ def _default_tau_shift() -> dict[str, float]:
 class PlannerParams:
     horizon_s: float = 60.0                       # H: how long a gain is expected to last
     tau_shift: dict[str, float] = field(default_factory=_default_tau_shift)  # s stalled
-    migrate: bool = True                          # simulate Algorithm 4's migration loop
+    # the shift-up migration loop simulated and run: True the default (sched.migration),
+    # "paper" Algorithm 4 as stated, "least_loss", or False none (vanilla ablations)
+    migrate: MigrationSpec = True
+    # seconds a replica of the role spends prefilling one token: a migrated sequence's
+    # prompt + generated tokens are prefilled again where it lands (plan.evaluate charges
+    # it to the candidate); a role left out costs nothing
+    prefill_s_per_token: dict[str, float] = field(default_factory=dict)
     binary_throughput: bool = False               # vanilla: T_i in {0, 1}
 
     def __post_init__(self) -> None:
@@ -54,6 +62,7 @@ class PlannerParams:
         if missing or any(v < 0 for v in self.tau_shift.values()):
             raise ValueError(f"tau_shift needs non-negative seconds for rollout, reward and "
                              f"training; got {self.tau_shift}")
+        resolve(self.migrate)   # an unknown loop's name fails here, before any decision
 
 
 @dataclass(frozen=True)
@@ -135,18 +144,19 @@ class PivotPlanner:
         shifts = [_materialise(role, pairs, cand) for cand in candidates]
         counts = [0 if role == TRAINING else cand.k for cand in candidates]
         jobs = [(k, down) for k, (_, down) in zip(counts, shifts)]
+        config = (self.params.migrate, self.params.binary_throughput, self.replay,
+                  tuple(sorted(self.params.prefill_s_per_token.items())))
         if self.use_parallel(snap, len(candidates)):
-            config = (self.params.migrate, self.params.binary_throughput, self.replay)
             current, ests = parallel.estimate_all(self.executor, snap, config, role, jobs,
                                                   self.chunks)
         else:
-            sim = MigrationSimulator(snap, self.model_of(snap), self.params.migrate,
-                                     self.replay)
+            sim = parallel.simulator(snap, config)
             current = sim.current()
             ests = [sim.estimate(role, k, down) for k, down in jobs]
         return current, [CandidateEval(cand, up, down, est,
                                        benefit(self.params.horizon_s, current.overall,
-                                               est.overall, cand.penalty))
+                                               est.overall,
+                                               cand.penalty + est.migration_cost))
                          for cand, (up, down), est in zip(candidates, shifts, ests)]
 
     def use_parallel(self, snap: WorkloadSnapshot, n_candidates: int) -> bool:

@@ -222,7 +222,7 @@ POLICIES = ("colocated", "disaggregated", "rr_colocated", "shiftable", "static",
 def make_policy(name: str, params: Mapping[str, Any] | None = None) -> AllocationPolicy:
     """Build a policy from the config's paradigm name and its plain parameters."""
     p = dict(params or {})
-    planner_keys = {"horizon_s", "tau_shift"}
+    planner_keys = {"horizon_s", "tau_shift", "migrate", "prefill_s_per_token"}
     if name in PLANNERS:
         unknown = set(p) - planner_keys
         if unknown:

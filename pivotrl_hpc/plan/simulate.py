@@ -10,9 +10,9 @@ counts, doing per candidate only what the candidate changes:
   capacity); the sequences themselves are not needed. Shift-down builds an index over the
   surviving replicas' counts and merges the pre-sorted sequences of the shift-down
   replicas into the queue, instead of copying replicas, aborting and re-queueing.
-* Shift-up's migration loop needs each replica's shortest sequence, so it keeps a
-  shortest-first heap per replica, copied from one built up front only for the replicas a
-  migration touches (copy on write).
+* Shift-up's migration loop (sched.migration, the same code as the Scheduler's) needs each
+  replica's shortest sequence, so it keeps a shortest-first heap per replica, copied from
+  one built up front only for the replicas a migration touches (copy on write).
 * Aggregate throughput sums the same per-replica floats in the same order as
   `Scheduler.aggregate_throughput`, so even the rounding agrees.
 """
@@ -23,6 +23,7 @@ from typing import Iterable
 
 from pivotrl_hpc.plan.snapshot import ReplicaState, RolePool
 from pivotrl_hpc.sched.index import DispatchIndex
+from pivotrl_hpc.sched.migration import LOOPS, MigrationSpec, resolve
 from pivotrl_hpc.sched.model import ReplicaThroughput
 
 Entry = tuple[int, int]  # (seq_id, tokens): the queue's order is ascending seq_id
@@ -47,12 +48,14 @@ class FastRole:
         self.constants: dict = {}  # DispatchIndex's per-(n, capacity) cache, model-wide
 
     # -- Algorithm 3 -----------------------------------------------------------------------
-    def shift_down(self, down: Iterable[str]) -> float:
-        """Aggregate throughput after shifting down `down` (ids of this role)."""
+    def shift_down(self, down: Iterable[str]) -> tuple[float, int]:
+        """Aggregate throughput after shifting down `down` (ids of this role), and the
+        tokens of the sequences aborted there (each is prefilled again where it lands)."""
         gone = {self.pos[rid] for rid in down}
         keep = [i for i in range(len(self.n)) if i not in gone]
+        moved = sum(self.t[i] for i in gone)
         if not keep:
-            return 0.0
+            return 0.0, moved
         queue = sorted(self.queue + [e for i in gone for e in self.entries[i]])
         index = DispatchIndex.from_counts(self.model, [self.n[i] for i in keep],
                                           [self.t[i] for i in keep],
@@ -60,23 +63,28 @@ class FastRole:
                                           constants=self.constants)
         _dispatch(index, queue)
         tp = self.model.throughput
-        return sum(map(tp, index.n, index.t), 0.0)
+        return sum(map(tp, index.n, index.t), 0.0), moved
 
     # -- Algorithm 4 -----------------------------------------------------------------------
-    def shift_up(self, count: int, migrate: bool = True) -> float:
-        """Aggregate throughput after shifting up `count` empty replicas."""
+    def shift_up(self, count: int, migrate: MigrationSpec = True) -> tuple[float, int]:
+        """Aggregate throughput after shifting up `count` empty replicas, and the tokens of
+        the sequences the migration loop moved."""
         cap = self.new_capacity
         up = DispatchIndex.from_counts(self.model, [0] * count, [0] * count, [cap] * count,
                                        constants=self.constants)
         placed: list[list[tuple[int, int]]] = [[] for _ in range(count)]
         waiting = _dispatch(up, self.queue, placed)
         n, t = self.n + up.n, self.t + up.t
-        if migrate and not waiting:
-            shortest = self.shortest + [sorted(p) for p in placed]
-            return _MigrationLoop(self.model, n, t, self.cap + [cap] * count, shortest,
-                                  self.constants).run()
+        loop, moved = resolve(migrate), 0
+        if loop and not waiting:   # Scheduler._migrate_loop on counts
+            index = DispatchIndex.from_counts(self.model, n, t, self.cap + [cap] * count,
+                                              constants=self.constants)
+            done, _ = LOOPS[loop](self.model, index,
+                                  _HeapShortest(self.shortest + [sorted(p) for p in placed]),
+                                  sum(n))
+            moved = sum(item[0] for item, _, _ in done)
         tp = self.model.throughput
-        return sum(map(tp, n, t), 0.0)
+        return sum(map(tp, n, t), 0.0), moved
 
 
 def _dispatch(index: DispatchIndex, queue: list[Entry],
@@ -100,15 +108,13 @@ def _dispatch(index: DispatchIndex, queue: list[Entry],
     return waiting
 
 
-class _MigrationLoop:
-    """Scheduler._migrate_loop on counts. Sequences leave a replica only as its shortest, so
-    a plain shortest-first heap per replica stays exact; each is copied from the shared one
-    built up front only when a migration first touches that replica (copy on write)."""
+class _HeapShortest:
+    """sched.migration's view of each replica's shortest sequence on plain heaps. Sequences
+    leave a replica only as its shortest, so a shortest-first heap per replica stays exact;
+    each is copied from the shared one built up front only when a migration first touches
+    that replica (copy on write)."""
 
-    def __init__(self, model: ReplicaThroughput, n: list[int], t: list[int], cap: list[int],
-                 shortest: list[list[tuple[int, int]]], constants: dict) -> None:
-        self.model = model
-        self.index = DispatchIndex.from_counts(model, n, t, cap, constants=constants)
+    def __init__(self, shortest: list[list[tuple[int, int]]]) -> None:
         self.base = shortest                    # shared: never modified
         self.heaps: dict[int, list] = {}        # pos -> this run's own (tokens, seq_id) heap
 
@@ -118,37 +124,12 @@ class _MigrationLoop:
             heap = self.heaps[pos] = self.base[pos].copy()
         return heap
 
-    def run(self) -> float:
-        """Move shortest sequences off the max-throughput replica while that raises
-        aggregate throughput; at most N^Seq moves. Returns aggregate throughput."""
-        index, tp = self.index, self.model.throughput
-        n, t = index.n, index.t
-        thr = [tp(a, b) for a, b in zip(n, t)]
-        heap = [(-x, pos) for pos, x in enumerate(thr)]
-        heapq.heapify(heap)
-        limit, iterations = sum(n), 0
-        while heap and iterations < limit:
-            neg, pos = heapq.heappop(heap)
-            if -neg != thr[pos]:
-                continue  # stale key
-            src = self._heap(pos)
-            if not src:
-                break  # the max-throughput replica is empty
-            item = heapq.heappop(src)  # fewest tokens, then lowest id: Replica.shortest
-            length = item[0]
-            index.update(pos, n[pos] - 1, t[pos] - length)
-            dst = index.best(length)
-            src_thr = tp(n[pos], t[pos])
-            gain = 0.0
-            if dst is not None and dst != pos:
-                gain = tp(n[dst] + 1, t[dst] + length) - thr[dst] + src_thr - thr[pos]
-            if gain <= 0.0:  # undo and stop: the move would not raise throughput
-                index.update(pos, n[pos] + 1, t[pos] + length)
-                break
-            index.place(dst, length)
-            heapq.heappush(self._heap(dst), item)
-            thr[pos], thr[dst] = src_thr, tp(n[dst], t[dst])
-            heapq.heappush(heap, (-thr[pos], pos))
-            heapq.heappush(heap, (-thr[dst], dst))
-            iterations += 1
-        return sum(map(tp, n, t), 0.0)
+    def peek(self, pos: int) -> tuple[int, int] | None:
+        heap = self.heaps.get(pos, self.base[pos])
+        return heap[0] if heap else None   # fewest tokens, then lowest id: Replica.shortest
+
+    def take(self, pos: int) -> tuple[int, int]:
+        return heapq.heappop(self._heap(pos))
+
+    def put(self, pos: int, item: tuple[int, int]) -> None:
+        heapq.heappush(self._heap(pos), item)

@@ -11,17 +11,18 @@ Where the pseudocode leaves room: Dispatch keeps going past a sequence that fits
 (it stays queued, in order, and shorter ones behind it may still be placed); Algorithm 4
 evaluates a migration before doing it and stops without doing the one that would not raise
 aggregate throughput, so the result is never below the start, and it stops after at most
-N^Seq migrations (the bound of appendix C.2).
+N^Seq migrations (the bound of appendix C.2). Shift-up migration runs one of the loops of
+sched.migration: Algorithm 4 as the paper states it ("paper") or the default "least_loss".
 """
 from __future__ import annotations
 
-import heapq
 import logging
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Iterable, NamedTuple
 
 from pivotrl_hpc.sched.index import DispatchIndex, OpCounter
+from pivotrl_hpc.sched.migration import LOOPS, MigrationSpec, resolve
 from pivotrl_hpc.sched.model import ReplicaThroughput
 from pivotrl_hpc.sched.state import (KVOverflow, Replica, SchedulerError, Sequence,
                                      WaitingQueue)
@@ -48,6 +49,9 @@ class MigrationResult:
     aborted: list[int] = field(default_factory=list)   # seq ids returned to the queue
     queued: int = 0                                     # sequences left waiting afterwards
     iterations: int = 0                                 # improving migrations (Algorithm 4)
+    # tokens of the sequences that left a replica for another (shift-down: every aborted
+    # one): what the engines prefill again where they land
+    moved_tokens: int = 0
     throughput_before: float = 0.0
     throughput_after: float = 0.0
 
@@ -178,6 +182,7 @@ class Scheduler:
             for seq in self.abort(rid, AbortSpec.ALL):
                 src[seq.seq_id] = rid
                 result.aborted.append(seq.seq_id)
+                result.moved_tokens += seq.length
             self.remove_replica(rid)
         result.moves = self.dispatch() if self.replicas else []
         result.moves = [Move(m.seq_id, src.get(m.seq_id), m.dst) for m in result.moves]
@@ -186,67 +191,55 @@ class Scheduler:
         return result
 
     # -- Algorithm 4 ---------------------------------------------------------------------
-    def shift_up_migration(self, new_replicas: Iterable[Replica], migrate: bool = True
-                           ) -> MigrationResult:
-        """Dispatch the queue onto R↑, then move shortest sequences off the max-throughput
-        replica while that raises aggregate throughput (`migrate=False`: vanilla, no loop)."""
+    def shift_up_migration(self, new_replicas: Iterable[Replica],
+                           migrate: MigrationSpec = True) -> MigrationResult:
+        """Dispatch the queue onto R↑, then move shortest sequences while that raises
+        aggregate throughput, by the loop `migrate` names (sched.migration: "paper" is
+        Algorithm 4, True the default loop, False vanilla: no loop)."""
+        loop = resolve(migrate)
         up = list(new_replicas)
         result = MigrationResult(throughput_before=self.aggregate_throughput())
         for r in up:
             self.add_replica(r)
         result.moves = self.dispatch([r.replica_id for r in up]) if up else []
-        if migrate and not self.queue:  # migrate only if every waiting sequence found room
-            self._migrate_loop(result)
+        if loop and not self.queue:  # migrate only if every waiting sequence found room
+            self._migrate_loop(result, loop)
         result.queued = len(self.queue)
         result.throughput_after = self.aggregate_throughput()
         return result
 
-    def _migrate_loop(self, result: MigrationResult) -> None:
+    def _migrate_loop(self, result: MigrationResult, loop: str) -> None:
         reps = list(self.replicas.values())
         index = DispatchIndex(self.model, reps, self.counter)
-        tp = self.model.throughput
-        thr = [tp(r.n_seq, r.n_tok) for r in reps]
-        total = sum(thr)
-        heap = [(-t, pos) for pos, t in enumerate(thr)]
-        heapq.heapify(heap)
-        ops = len(heap)
-        limit = sum(r.n_seq for r in reps)  # at most N^Seq migrations (appendix C.2)
-        while heap and result.iterations < limit:
-            neg, pos = heapq.heappop(heap)
-            ops += 1
-            if -neg != thr[pos]:
-                continue  # stale key: the replica's throughput changed since the push
-            src = reps[pos]
-            seq = src.shortest()
-            if seq is None:
-                break  # the max-throughput replica is empty: nothing left to move
-            # Try the move first and keep it only if aggregate throughput rises, so the
-            # procedure never ends below where it started (Algorithm 4, lines 11-15).
-            src.remove(seq.seq_id)
-            index.moved(pos)
-            dst = index.best(seq.length)
-            src_thr = tp(src.n_seq, src.n_tok)
-            if dst is None or dst == pos:
-                gain = 0.0
-            else:
-                d = reps[dst]
-                gain = tp(d.n_seq + 1, d.n_tok + seq.length) - thr[dst] + src_thr - thr[pos]
-            if gain <= 0.0:
-                src.add(seq)
-                index.moved(pos)
-                break
-            d = reps[dst]
-            d.add(seq)
-            index.moved(dst)
-            total += gain
-            thr[pos], thr[dst] = src_thr, tp(d.n_seq, d.n_tok)
-            heapq.heappush(heap, (-thr[pos], pos))
-            heapq.heappush(heap, (-thr[dst], dst))
-            ops += 2
-            if self.record_moves:
-                result.moves.append(Move(seq.seq_id, src.replica_id, d.replica_id))
-            result.iterations += 1
+        n_seq = sum(r.n_seq for r in reps)   # the loops' bound is in N^Seq (appendix C.2)
+        moved, ops = LOOPS[loop](self.model, index, _ReplicaShortest(reps), n_seq)
+        if self.record_moves:
+            result.moves += [Move(sid, reps[src].replica_id, reps[dst].replica_id)
+                             for (_, sid), src, dst in moved]
+        result.iterations = len(moved)
+        result.moved_tokens += sum(item[0] for item, _, _ in moved)
         if self.counter is not None:
             self.counter.heap_ops += ops
             self.counter.migrations += result.iterations
-        log.debug("shift-up migration: %d moves, aggregate %.1f", result.iterations, total)
+        log.debug("shift-up migration (%s): %d moves, aggregate %.1f", loop, len(moved),
+                  self.aggregate_throughput())
+
+
+class _ReplicaShortest:
+    """The migration loops' view (sched.migration.Shortest) of Replica objects."""
+
+    def __init__(self, reps: list[Replica]) -> None:
+        self.reps = reps
+        self.held: dict[int, Sequence] = {}
+
+    def peek(self, pos: int) -> tuple[int, int] | None:
+        seq = self.reps[pos].shortest()
+        return None if seq is None else (seq.length, seq.seq_id)
+
+    def take(self, pos: int) -> tuple[int, int]:
+        seq = self.reps[pos].shortest()
+        self.held[seq.seq_id] = self.reps[pos].remove(seq.seq_id)
+        return seq.length, seq.seq_id
+
+    def put(self, pos: int, item: tuple[int, int]) -> None:
+        self.reps[pos].add(self.held.pop(item[1]))
