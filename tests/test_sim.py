@@ -242,3 +242,36 @@ def test_a_first_step_warm_up_is_measured_once_per_engine_and_modeled(tiny_model
     assert slow["seconds"] > summary["seconds"] + 3.0
     got = SimConstants.from_trace(tmp_path / "warm.h5", cfg).first_step_s
     assert got == pytest.approx(slow["first_step_s"])
+
+
+def test_judge_prompts_carry_the_response_at_the_configured_ratio(tmp_path):
+    """`workload.judge_prompt_ratio`: a judge prompt is the template and problem plus ratio
+    x the response's tokens. Same seed, ratios 1 and 3: every judge prompt grows by exactly
+    twice its response (the 7B group's stand-ins, short lengths)."""
+    from pivotrl_hpc.runtime.messages import RoleKind
+    from pivotrl_hpc.sim.profile import H20
+    from pivotrl_hpc.sim.standin import stand_in
+
+    def run(ratio: float) -> tuple[dict, dict]:
+        cfg, _ = stand_in(load_config(ROOT / "configs" / "qwen2.5-7b_qwen3-30b-a3b.yaml",
+                                      ["rl.steps=1", "rl.batch_size=2", "rl.group_size=4",
+                                       "workload.rollout_median=40", "workload.genrm_median=8",
+                                       f"workload.judge_prompt_ratio={ratio}"],
+                                      check_files=False), tmp_path)
+        judged, responses = {}, {}
+
+        def watch(workers):
+            for w in workers:
+                for sid, s in w.seqs.items():
+                    if w.role == RoleKind.REWARD:
+                        judged.setdefault(sid, len(s.prompt))
+                    elif w.role == RoleKind.ROLLOUT:
+                        responses[sid] = len(s.generated) + s.remaining
+        simulate(cfg, SimConstants.from_profile(cfg, H20), watch=watch)
+        return judged, responses
+
+    one, responses = run(1.0)
+    three, _ = run(3.0)
+    assert set(one) == set(three) and len(one) == 8
+    for sid in one:
+        assert three[sid] - one[sid] == 2 * responses[sid] > 0

@@ -87,3 +87,42 @@ def test_the_fit_gets_each_windows_mean_at_its_middle_token_count():
     assert [(s.n_seq, s.n_tok, s.latency) for s in m.samples] == [(3, 11, pytest.approx(0.2))]
     m.observe_step("r0", 2, 6, 4, 0.6)          # the window starts again
     assert len(m.samples) == 1
+
+
+def test_prefill_is_charged_per_token_at_admission_and_again_after_a_migration():
+    """Qwen3-30B-A3B at TP=4 (the 7B group's GenRM) on the H20 profile: prefill costs
+    2 x 3.35e9 active params / 4 GPUs / (0.5 x 148 TFLOP/s) = 22.6 us a token. A judge
+    prompt of 4,000 tokens takes 90.6 ms to admit; aborted after 1,000 judgement tokens
+    and resumed on another replica, it is prefilled again: 5,000 tokens, 113 ms."""
+    from pivotrl_hpc.assets.cards import CARDS
+    from pivotrl_hpc.gps.shapes import ModelShape
+    from pivotrl_hpc.runtime.messages import Abort
+    from pivotrl_hpc.sim import profile as pf
+
+    shape = ModelShape.from_hf_config(CARDS["Qwen3-30B-A3B"])
+    p = pf.prefill_seconds(shape, 4, pf.H20)
+    assert p == pytest.approx(2 * shape.num_active_params() / 4 / (0.5 * 148e12))
+    assert p == pytest.approx(22.6e-6, rel=0.01)
+    model = pf.inference_model(shape, "bfloat16", 4, pf.H20)
+    assert p == model.C   # the same GEMM work a decode iteration charges a sequence
+
+    def judge(clock, device):
+        w = ModeledWorker(device, clock, ModeledStore(), {"policy": MODEL, "genrm": model},
+                          {"reward": 0.0}, {"reward": 0.0}, prefill_s_per_token={"genrm": p})
+        w.submit(ShiftUp(RoleKind.REWARD))
+        w.poll()   # shift seconds 0: up at once
+        return w
+
+    clock = VirtualClock()
+    first, second = judge(clock, 0), judge(clock, 1)
+    first.submit(AddSequences((SeqRequest("j", tuple(range(4000)), (), (), 2000),)))
+    assert first.next_reply_time() == pytest.approx(4000 * p) == pytest.approx(0.0906, rel=0.01)
+    clock.wait_until(first.next_reply_time())
+    first.poll()
+    first.seqs["j"].generated = list(range(1000))   # 1,000 judgement tokens so far
+    first.submit(Abort(("j",)))
+    clock.wait_until(first.next_reply_time())
+    (aborted,) = first.poll()[0].result
+    second.submit(AddSequences((SeqRequest.resume(aborted),)))
+    assert second.next_reply_time() - clock.now() == pytest.approx(5000 * p)
+    assert 5000 * p == pytest.approx(0.113, rel=0.01)

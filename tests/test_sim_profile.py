@@ -146,3 +146,30 @@ def test_simulate_derives_constants_for_gpus_and_reads_them_for_cpus(tmp_path):
     assert cfg_c.source == "config" and cfg_c.train_s == 2.0
     cpu = load_config(ROOT / "configs" / "tiny-cpu.yaml", check_files=False)
     assert _constants(args(), cpu).source == "config"
+
+
+def test_training_seconds_follow_each_runs_width(tmp_path, capsys):
+    """`pivotrl simulate` of the 7B group (one short step): training seconds per step and
+    per token fall with roles.train_devices 4, 8, 16 (per token exactly as 1/width), and
+    colocated, which trains on all 32 GPUs, is charged a 32-GPU width's seconds."""
+    import json
+
+    from pivotrl_hpc.cli.main import main
+
+    group = ROOT / "configs" / "qwen2.5-7b_qwen3-30b-a3b.yaml"
+    short = ["rl.steps=1", "rl.batch_size=2", "rl.group_size=4", "workload.rollout_median=25",
+             "workload.genrm_median=15"]
+    runs = {}
+    for width in (4, 8, 16):
+        assert main(["simulate", str(group), "--paradigms", "colocated,shiftable",
+                     "--no-search", *short, f"roles.train_devices={width}"]) == 0
+        runs[width] = json.loads(capsys.readouterr().out)
+    per_token = {w: r["shiftable"]["train_s_per_token"] for w, r in runs.items()}
+    step = {w: r["shiftable"]["train_step_s"] for w, r in runs.items()}
+    assert per_token[4] == pytest.approx(2 * per_token[8]) == pytest.approx(4 * per_token[16])
+    assert step[4] > step[8] > step[16] > 0
+    s7 = shape("Qwen2.5-7B")
+    for r in runs.values():   # colocated: every device trains, whatever the base width
+        assert r["colocated"]["train_s_per_token"] == pytest.approx(
+            pf.train_seconds(s7, 1.0, 32, H20))
+    assert per_token[8] == pytest.approx(pf.train_seconds(s7, 1.0, 8, H20))

@@ -11,7 +11,9 @@ its rollout/reward split) from the same search as `pivotrl bench e2e` (`--no-sea
 config's). Prints one JSON object shaped like bench e2e's:
 {"<paradigm>": {"tokens_per_s", "seconds", "shifts", "idle_fraction", "split"},
  "speedup_vs": {...}, "paper_speedup_vs" (a paper group's published ratios),
- "constants": {...}}; `--out DIR` keeps every run's trace.
+ "constants": {...}}; `--out DIR` keeps every run's trace. A profile's constants are derived
+per run, from that run's training width (colocated: every device); "constants" shows the
+base config's.
 """
 from __future__ import annotations
 
@@ -24,7 +26,8 @@ from pathlib import Path
 from pivotrl_hpc.cli.bench_e2e import PARADIGMS, candidates, speedups, unsearched
 
 SHOWN = ("tokens_per_s", "steady_tokens_per_s", "seconds", "shifts", "idle_fraction",
-         "shifts_by_kind", "max_lag", "staleness_held_s")
+         "shifts_by_kind", "max_lag", "staleness_held_s", "train_step_s",
+         "train_s_per_token")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -58,13 +61,15 @@ def _load(args, overrides: list[str]):
     return cfg, notes
 
 
-def _one(args, paradigm: str, extra: list[str], constants, tag: str) -> dict:
+def _one(args, paradigm: str, extra: list[str], tag: str) -> dict:
     from pivotrl_hpc.sim.run import simulate
 
     cfg, _ = _load(args, [*args.overrides, f"paradigm.name={paradigm}", *extra])
     trace = Path(args.out) / f"{paradigm}-{tag}.h5" if args.out else None
     t0 = time.monotonic()
-    s = simulate(cfg, constants, trace)
+    # each run's own constants: a profile's training seconds and shifts follow the run's
+    # training width (colocated: every device), not the base config's
+    s = simulate(cfg, _constants(args, cfg), trace)
     print(f"simulate: {paradigm} {' '.join(extra)} -> {s['tokens_per_s']:.2f} tokens/s "
           f"({time.monotonic() - t0:.1f} s wall)", file=sys.stderr)
     return s
@@ -125,7 +130,7 @@ def _main(args: argparse.Namespace) -> int:
             options = [unsearched(bench_args, paradigm, options, check_files=False)]
         for extra in options or [[]]:
             tag = "-".join(x.rsplit("=", 1)[1] for x in extra) or "run"
-            run = _one(args, paradigm, extra, constants, tag)
+            run = _one(args, paradigm, extra, tag)
             if best_run is None or run["tokens_per_s"] > best_run["tokens_per_s"]:
                 best, best_run = extra, run
         result[paradigm] = {k: best_run.get(k) for k in SHOWN} | {"split": best}

@@ -71,6 +71,9 @@ class ModeledWorker:
     train_s_per_token: float = 0.0     # + this per prompt and response token of the batch
     step_overhead_s: dict[str, float] = field(default_factory=dict)   # a Step's, per role
     first_step_s: dict[str, float] = field(default_factory=dict)  # a role's first Step here
+    # seconds to prefill one token, per model ("policy", "genrm"): every AddSequences pays
+    # for each sequence's prompt and generated tokens (a resumed one is prefilled again)
+    prefill_s_per_token: dict[str, float] = field(default_factory=dict)
     vocab: int = 64
     role: RoleKind = RoleKind.IDLE
     version: int | None = None
@@ -84,6 +87,7 @@ class ModeledWorker:
     _free_at: float = 0.0
     _warm: set = field(default_factory=set)   # roles that have run a Step on this device
     log: list[str] = field(default_factory=list)
+    train_seconds: list[float] = field(default_factory=list)   # each TrainStep's here
 
     # --- WorkerHandle --------------------------------------------------------------------
     def submit(self, cmd: Command) -> None:
@@ -134,10 +138,14 @@ class ModeledWorker:
             for s in cmd.seqs:
                 if s.max_new_tokens < 1:  # as VLLMEngine.add
                     raise ValueError(f"sequence {s.seq_id!r}: no tokens left to generate")
+            tokens = 0
+            for s in cmd.seqs:
                 self.seqs[s.seq_id] = _Seq(list(s.prompt_ids), list(s.generated_ids),
                                            list(s.generated_logprobs), s.max_new_tokens,
                                            s.sampling)
-            return len(cmd.seqs), 0.0
+                tokens += len(s.prompt_ids) + len(s.generated_ids)
+            return len(cmd.seqs), self.slowdown * tokens * self.prefill_s_per_token.get(
+                self._model(), 0.0)
         if isinstance(cmd, Step):
             outs, left = [], cmd.iterations
             while left > 0:
@@ -155,8 +163,8 @@ class ModeledWorker:
             self.store.pending = self.store.version + 1
             b = cmd.batch
             tokens = sum(map(len, b.prompts)) + sum(map(len, b.responses))
-            return {"loss": 0.0, "gps_version": self.store.pending}, \
-                self.train_s + self.train_s_per_token * tokens
+            self.train_seconds.append(self.train_s + self.train_s_per_token * tokens)
+            return {"loss": 0.0, "gps_version": self.store.pending}, self.train_seconds[-1]
         if isinstance(cmd, WaitWrite):
             if self.store.pending is not None:
                 self.store.version, self.store.pending = self.store.pending, None
@@ -188,7 +196,7 @@ class ModeledWorker:
         finishes (its finish ends the block), so the per-token work is done per sequence.
         Each iteration takes the model's latency at its own token count; with `late_finish`
         (tests) one iteration at a time, as the engine reports."""
-        model = self.models["policy" if self.role == RoleKind.ROLLOUT else "genrm"]
+        model = self.models[self._model()]
         live = [(sid, s) for sid, s in self.seqs.items() if s.remaining > 0]
         k = 1 if self.late_finish or not live else min(most, min(s.remaining for _, s in live))
         n_seq = len(self.seqs)
@@ -209,6 +217,9 @@ class ModeledWorker:
             if s.remaining <= 0 and not self.late_finish:
                 finished.append(self._finished(sid))
         return StepOutput(progress, finished, seconds, k)
+
+    def _model(self) -> str:
+        return "policy" if self.role == RoleKind.ROLLOUT else "genrm"
 
     def _finished(self, sid: str) -> FinishedSequence:
         s = self.seqs.pop(sid)

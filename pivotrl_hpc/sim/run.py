@@ -13,6 +13,9 @@ What the modeled devices cost (`SimConstants`):
   for a shift down (the tiny-cpu runs measured 15 s up and 2.4 s down), or a live trace's
   means;
 - a training step: `train_s` seconds, or a live trace's median step;
+- prefill (`prefill_s_per_token`, per model): each AddSequences costs its tokens (prompt at
+  admission; prompt + generated where a migrated or preempted sequence lands) times it;
+  from the hardware profile, else the config's `throughput.prefill_s_per_token_*`;
 - start-up (`startup_s`: processes, imports, GPS v0, before any device can shift): 0, or when
   a live trace's first shift began;
 - a Step command's cost beyond its iterations (`step_overhead_s`, per role: the round trip
@@ -57,12 +60,16 @@ class SimConstants:
     step_overhead_s: dict[str, float] = field(default_factory=dict)
     # extra seconds of the first Step a role runs on a device (an engine's warm-up), per role
     first_step_s: dict[str, float] = field(default_factory=dict)
+    # seconds a replica prefills one token, per model ("policy", "genrm"): at admission and
+    # where a migrated sequence lands (its prompt + generated tokens again)
+    prefill_s_per_token: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {"source": self.source, "shift_up_s": self.shift_up_s,
                 "shift_down_s": self.shift_down_s, "train_s": self.train_s,
                 "train_s_per_token": self.train_s_per_token, "startup_s": self.startup_s,
                 "step_overhead_s": self.step_overhead_s, "first_step_s": self.first_step_s,
+                "prefill_s_per_token": self.prefill_s_per_token,
                 "throughput": {m: vars(t) for m, t in self.throughput.items()}}
 
     @classmethod
@@ -71,15 +78,20 @@ class SimConstants:
         t = cfg.throughput
         return cls(up, {r: DOWN_FRACTION * s for r, s in up.items()}, train_s,
                    {"policy": ThroughputModel(**vars(t.policy)),
-                    "genrm": ThroughputModel(**vars(t.genrm))})
+                    "genrm": ThroughputModel(**vars(t.genrm))},
+                   prefill_s_per_token={"policy": t.prefill_s_per_token_policy,
+                                        "genrm": t.prefill_s_per_token_genrm})
 
     @classmethod
     def from_profile(cls, cfg: Config, hw: "Hardware") -> "SimConstants":
-        """Derived from the hardware's datasheet and the models' dimensions (sim/profile.py).
+        """Derived from the hardware's datasheet and the models' dimensions (sim/profile.py)
+        for the run `cfg` describes: training seconds and shifts follow its training width.
         `cfg`'s model paths must hold a config.json (a folder, or a card's stand-in)."""
+        from pivotrl_hpc.config.paradigm import normalize
         from pivotrl_hpc.gps.shapes import ModelShape
         from pivotrl_hpc.sim import profile as pf
 
+        cfg = normalize(cfg)   # the width the run trains on (colocated: every device)
         pol, gen = cfg.models.policy, cfg.models.genrm
         ps, gs = ModelShape.from_hf_config(pol.path), ModelShape.from_hf_config(gen.path)
         r_up, r_down = pf.inference_shift(ps, pol.dtype, pol.tensor_parallel, hw)
@@ -92,7 +104,10 @@ class SimConstants:
                    {"policy": pf.inference_model(ps, pol.dtype, pol.tensor_parallel, hw),
                     "genrm": pf.inference_model(gs, gen.dtype, gen.tensor_parallel, hw)},
                    f"profile {hw.name}",
-                   train_s_per_token=pf.train_seconds(ps, 1.0, cfg.roles.train_devices, hw))
+                   train_s_per_token=pf.train_seconds(ps, 1.0, cfg.roles.train_devices, hw),
+                   prefill_s_per_token={
+                       "policy": pf.prefill_seconds(ps, pol.tensor_parallel, hw),
+                       "genrm": pf.prefill_seconds(gs, gen.tensor_parallel, hw)})
 
     @classmethod
     def from_trace(cls, path: str | Path, cfg: Config) -> "SimConstants":
@@ -128,7 +143,31 @@ class SimConstants:
         return cls({**base.shift_up_s, **means["up"]}, {**base.shift_down_s, **means["down"]},
                    float(train), models, f"trace {path}", max(startup, 0.0),
                    step_overhead_s=overhead,
-                   first_step_s=dict(measured.get("first_step_s", {})))
+                   first_step_s=dict(measured.get("first_step_s", {})),
+                   prefill_s_per_token=dict(base.prefill_s_per_token))
+
+
+class ScaledJudge:
+    """The task with judge prompts of `workload.judge_prompt_ratio` tokens per response token
+    on top of the template and the problem (the task's own prompt for an empty response),
+    capped at the GenRM's max_prompt_len. Only the count matters to the modeled GenRM; the
+    response's tokens repeated stand in for its re-encoding, which the stand-in tokenizer
+    makes ~1.6x the modeled response where a paper group's shared BPE family makes ~1.0x."""
+
+    def __init__(self, task, ratio: float, max_judge: int) -> None:
+        self.task, self.ratio, self.max_judge = task, ratio, max_judge
+        self._head: dict[int, list[int]] = {}   # per prompt row: template + problem
+
+    def judge_prompt(self, prompt, response_ids) -> list[int]:
+        head = self._head.get(prompt.pid)
+        if head is None:
+            head = self._head[prompt.pid] = self.task.judge_prompt(prompt, ())
+        n = min(round(self.ratio * len(response_ids)), self.max_judge - len(head))
+        body = list(response_ids) * (n // max(len(response_ids), 1) + 1)
+        return head + body[:n]
+
+    def __getattr__(self, name: str):
+        return getattr(self.task, name)
 
 
 class WatchedClock(VirtualClock):
@@ -151,7 +190,8 @@ def modeled_workers(cfg: Config, constants: SimConstants, clock: VirtualClock
                              train_s=constants.train_s,
                              train_s_per_token=constants.train_s_per_token,
                              step_overhead_s=dict(constants.step_overhead_s),
-                             first_step_s=dict(constants.first_step_s))
+                             first_step_s=dict(constants.first_step_s),
+                             prefill_s_per_token=dict(constants.prefill_s_per_token))
                for d in range(cfg.total_devices)]
     for w in workers:
         w._free_at = constants.startup_s   # nothing runs before the job has started
@@ -168,6 +208,11 @@ def simulate(cfg: Config, constants: SimConstants, trace_path: str | Path | None
     from pivotrl_hpc.trace.tensorboard import tensorboard_dir
 
     cfg = normalize(cfg)   # as the launchers do (colocated: training on every device, k=0)
+    # the planner charges migrations the prefill the modeled engines charge (no online fit
+    # measures it)
+    pre = constants.prefill_s_per_token
+    cfg.throughput.prefill_s_per_token_policy = pre.get("policy", 0.0)
+    cfg.throughput.prefill_s_per_token_genrm = pre.get("genrm", 0.0)
     workers: list[ModeledWorker] = []
     clock = WatchedClock(lambda: watch(workers)) if watch is not None else VirtualClock()
     trace = None
@@ -181,8 +226,14 @@ def simulate(cfg: Config, constants: SimConstants, trace_path: str | Path | None
     try:
         workers += modeled_workers(cfg, constants, clock)
         ctl = build_controller(cfg, Devices(workers, clock.now), clock, trace, decider=None)
+        if cfg.workload.judge_prompt_ratio > 0:
+            ctl.task = ScaledJudge(ctl.task, cfg.workload.judge_prompt_ratio,
+                                   cfg.models.genrm.max_prompt_len)
         summary = ctl.run()
         summary["simulated"] = True
+        steps = [s for w in workers for s in w.train_seconds]   # every training device's
+        summary["train_step_s"] = statistics.fmean(steps) if steps else None
+        summary["train_s_per_token"] = constants.train_s_per_token
         return summary
     finally:
         if trace is not None:
