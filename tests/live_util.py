@@ -63,10 +63,22 @@ def run_job(config: str, models: Path, trace: Path, overrides: list[str],
             "summary": json.loads(trace.with_suffix(".summary.json").read_text())}
 
 
+def assert_trace_ok(*traces: Path) -> None:
+    """`pivotrl trace check`: every invariant of docs/trace.md holds on each trace."""
+    from pivotrl_hpc.trace.check import check
+
+    for trace in traces:
+        bad = [r.line() for r in check(trace) if not r.ok]
+        assert not bad, f"{trace}:\n" + "\n".join(bad)
+
+
 def check_nothing_lost(trace: Path, steps: int, per_step: int, k: int) -> dict:
     """From the trace: every sequence finishes exactly once, every trained sample was
-    rolled out and judged, each step trains `per_step` samples, the lag stays <= k."""
+    rolled out and judged, each step trains `per_step` samples, the lag stays <= k; and
+    the trace passes `pivotrl trace check`."""
     from pivotrl_hpc.trace import open_trace
+
+    assert_trace_ok(trace)
 
     with open_trace(str(trace)) as t:
         seq, st, shifts = t.table("sequences"), t.table("steps"), t.table("shifts")

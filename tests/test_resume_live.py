@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from live_util import ROOT, model_overrides, run_job, shm_entries
+from live_util import ROOT, assert_trace_ok, model_overrides, run_job, shm_entries
 
 pytestmark = pytest.mark.slow
 
@@ -83,6 +83,7 @@ def test_sigkill_after_step_4_resumes_and_ends_bitwise_equal(tiny_models, tmp_pa
     assert resumed["left"] == set()
     parts = segments(trace)
     assert [p.name for p in parts] == ["run.h5", "run.seg1.h5"]
+    assert_trace_ok(full["trace"], *parts)    # the killed segment and the resumed one too
     from pivotrl_hpc.trace import open_trace
     with open_trace(str(parts[1])) as t:
         start = json.loads(json.dumps(t.meta))["resumed_from"]
@@ -171,4 +172,5 @@ def test_sigterm_with_a_grace_time_checkpoints_the_running_step_and_resumes(tiny
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     rows = _steps(segments(trace))
     assert [r["step"] for r in rows] == list(range(STEPS)), rows   # none lost or trained twice
+    assert_trace_ok(*segments(trace))
     assert f"resumed from {ckpt}" in again.stdout + again.stderr

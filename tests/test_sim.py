@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from live_util import check_nothing_lost, model_overrides
+from live_util import assert_trace_ok, check_nothing_lost, model_overrides
 
 from pivotrl_hpc.cli.bench_e2e import PARADIGMS
 from pivotrl_hpc.config import load_config
@@ -89,15 +89,17 @@ def test_the_record_places_a_sequence_on_one_replica_at_a_time(shiftable):
     where: dict[tuple[str, str], str | None] = {}
     for ev, role, sid, rep in zip(seq["event"], seq["role"], seq["seq_id"], seq["replica"]):
         key = (role, sid)
-        if ev == "dispatch":
+        if ev == "dispatch":         # from the queue
             assert where.get(key) is None, (key, rep, where.get(key))
             where[key] = rep
-        elif ev == "migrate":        # a move: from wherever the record had it
+        elif ev == "migrate":        # from another replica (its `abort` follows there)
+            assert where.get(key) not in (None, rep), (key, rep, where.get(key))
             where[key] = rep
-        elif ev in ("abort", "preempt", "finish"):
+        elif ev in ("preempt", "finish"):
             assert where.get(key) == rep, (key, ev, rep, where.get(key))
             where[key] = None
     assert where and not any(where.values())
+    assert_trace_ok(path)        # and the Abort window, from the rows (docs/trace.md)
 
 
 def test_every_sequence_finishes_once_and_every_step_is_full(shiftable):
@@ -156,6 +158,7 @@ def test_pivotrl_simulate_prints_every_paradigm_and_the_speedups(tiny_models, tm
     for name in PARADIGMS:
         assert out[name]["tokens_per_s"] > 0 and out[name]["seconds"] > 0, name
         assert traces[name].exists(), name
+    assert_trace_ok(*sorted(tmp_path.glob("*.h5")))   # every paradigm, every split searched
     assert out["shiftable"]["split"][0].startswith("roles.train_devices=")   # searched
     assert set(out["speedup_vs"]) == {"colocated", "disaggregated", "rr_colocated"}
     assert out["speedup_vs"]["colocated"] == pytest.approx(

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
-from live_util import model_overrides
+from live_util import assert_trace_ok, model_overrides
 from slurm_util import ROOT, job_segments, submit_pivot, wait_job
 
 pytestmark = pytest.mark.slurm
@@ -103,6 +103,7 @@ def _check_segments(trace: Path, n: int) -> list[dict]:
 
     parts = segments(trace)
     assert len(parts) == n, parts
+    assert_trace_ok(*parts)
     out, steps = [], set()
     for i, path in enumerate(parts):
         with open_trace(str(path)) as t:
