@@ -147,18 +147,28 @@ def least_loss_loop(model: ReplicaThroughput, index: DispatchIndex, shortest: Sh
             tried.append((x, pos))
             continue
         _apply(index, tp, thr, shortest, pos, dst, src_thr, moved)
-        # the two replicas changed, so every source passed over may now have a move
+        # Only the two replicas changed: a source passed over (its shortest sequence had no
+        # improving destination) gains one only if moving it to one of them now improves.
+        # Checked in O(1) each; those that pass are tried again through Dispatch's index.
+        kept = []
+        for k in tried:
+            x, s = k
+            if s == pos or s == dst or loss.get(s) != x:
+                continue   # its key is recomputed below, or stale
+            length = shortest.peek(s)[0]
+            if any(index.cap[d] - t[d] >= length and tp(n[d] + 1, t[d] + length) - thr[d] > x
+                   for d in (pos, dst)):
+                heapq.heappush(heap, k)
+            else:
+                kept.append(k)
+        ops += len(tried)
+        tried = kept
         for p in (pos, dst):
             k = key(p)
             loss.pop(p, None)
             if k is not None:
                 loss[p] = k[0]
-                tried.append(k)
-        for k in tried:
-            if loss.get(k[1]) == k[0]:
                 heapq.heappush(heap, k)
-        ops += len(tried)
-        tried = []
     return moved, ops
 
 
