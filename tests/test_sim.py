@@ -278,3 +278,24 @@ def test_judge_prompts_carry_the_response_at_the_configured_ratio(tmp_path):
     assert set(one) == set(three) and len(one) == 8
     for sid in one:
         assert three[sid] - one[sid] == 2 * responses[sid] > 0
+
+
+@pytest.mark.parametrize("paradigm", ["colocated", "disaggregated", "shiftable", "vanilla"])
+def test_every_paradigm_migrates_by_the_configured_loop(paradigm, tmp_path):
+    """paradigm.migration reaches the executor of every paradigm, planner or not (vanilla:
+    none, its ablation)."""
+    from pivotrl_hpc.config.paradigm import normalize
+    from pivotrl_hpc.controller.clock import VirtualClock
+    from pivotrl_hpc.controller.handles import Devices
+    from pivotrl_hpc.controller.live import build_controller
+    from pivotrl_hpc.sim.run import modeled_workers
+    from pivotrl_hpc.sim.standin import stand_in
+
+    cfg, _ = stand_in(load_config(ROOT / "configs" / "qwen2.5-7b_qwen3-30b-a3b.yaml",
+                                  [f"paradigm.name={paradigm}", "paradigm.migration=paper"],
+                                  check_files=False), tmp_path)
+    cfg = normalize(cfg)
+    clock = VirtualClock()
+    workers = modeled_workers(cfg, SimConstants.from_config(cfg), clock)
+    ctl = build_controller(cfg, Devices(workers, clock.now), clock, None, decider=None)
+    assert ctl.executor.migrate == (False if paradigm == "vanilla" else "paper")

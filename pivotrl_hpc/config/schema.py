@@ -106,9 +106,8 @@ class WorkloadConfig:
     genrm_median: int = 6
     genrm_sigma: float = 0.6
     # Simulator only: judge prompt tokens per response token, on top of the judge template
-    # and the problem (0: as the GenRM's tokenizer re-encodes the response; the stand-in
-    # tokenizer makes ~1.6 of a modeled response token). Policy and GenRM of the paper
-    # groups share a BPE family, so their judge prompts carry the response at ~1.0.
+    # and the problem (0: as the GenRM's tokenizer re-encodes the modeled response, which
+    # depends on the stand-in tokenizer; NOTES has the measured ratios).
     judge_prompt_ratio: float = 0.0
 
 

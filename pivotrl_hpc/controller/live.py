@@ -51,7 +51,8 @@ def loop_config(cfg: Config) -> LoopConfig:
         planner_interval_s=cfg.paradigm.planner_interval_s,
         log_interval_s=cfg.trace.log_interval_s, eval_every=cfg.rl.eval_every,
         step_iterations=r.step_iterations, prebuild=prebuild_models(cfg),
-        ignore_eos_judge=cfg.workload.length_mode == "budget")
+        ignore_eos_judge=cfg.workload.length_mode == "budget",
+        migration=cfg.paradigm.migration)
 
 
 def prebuild_models(cfg: Config) -> tuple[str, ...]:

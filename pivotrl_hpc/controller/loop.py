@@ -54,6 +54,8 @@ class LoopConfig:
     judge_greedy: bool = True
     ignore_eos_judge: bool = True
     prebuild: tuple[str, ...] = ()        # engines every device builds asleep at start
+    # shift-up migration loop of a policy without planner parameters (sched.migration)
+    migration: bool | str = True
 
 
 class Controller:
@@ -71,7 +73,7 @@ class Controller:
                                      self._seq_event) for role in GEN_ROLES}
         self.training = TrainingUnit(tuple(cfg.training_devices))
         # the planner's ablations without migration run without it, not only plan so
-        migrate = getattr(getattr(policy, "params", None), "migrate", True)
+        migrate = getattr(getattr(policy, "params", None), "migrate", cfg.migration)
         self.executor = Executor(devices, self.flows, self.training, cfg.kv_capacity, tau,
                                  self.trace, clock.now, self._event, migrate)
         self.report = Reporter(self, self.trace)

@@ -151,8 +151,8 @@ class ScaledJudge:
     """The task with judge prompts of `workload.judge_prompt_ratio` tokens per response token
     on top of the template and the problem (the task's own prompt for an empty response),
     capped at the GenRM's max_prompt_len. Only the count matters to the modeled GenRM; the
-    response's tokens repeated stand in for its re-encoding, which the stand-in tokenizer
-    makes ~1.6x the modeled response where a paper group's shared BPE family makes ~1.0x."""
+    response's tokens repeated stand in for its re-encoding, whose length would otherwise
+    depend on how the stand-in tokenizer re-encodes a modeled response's text."""
 
     def __init__(self, task, ratio: float, max_judge: int) -> None:
         self.task, self.ratio, self.max_judge = task, ratio, max_judge
