@@ -62,3 +62,16 @@ def test_checkpoint_restores_fp32_master_weights_not_the_rounded_bf16(report):
     assert report["ckpt_refresh_rounds_main"] is True   # what the optimizer file undoes
     assert report["ckpt_main_bitwise"] is True
     assert report["ckpt_next_step_bitwise"] is True
+
+
+def test_a_resumed_trainer_shifts_down_and_up_bit_for_bit(report):
+    """A restarted job's first training shift up restores the checkpoint (torch.load of the
+    optimizer file); the next shift down must be able to free that state (it failed with
+    "Trying to resize storage that is not resizable": the file's storages), and the shift up
+    gives back parameters, fp32 master weights and Adam state bit for bit."""
+    assert report["resume_state_bitwise"] is True
+    assert report["resume_shift_down_error"] is None
+    freed = report["resume_freed"]
+    assert freed["optimizer_state"] > 0 and freed["main_params"] == 2 * report["param_bytes"]
+    assert report["resume_shift_bitwise"] is True
+    assert report["resume_next_step_bitwise"] is True

@@ -12,7 +12,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from pivotrl_hpc.checkpoint.layout import POLICY, CheckpointError, find, read_state
+from pivotrl_hpc.checkpoint.layout import POLICY, CheckpointError, find, read_state, readable
 
 
 def export(where: str | Path, out: str | Path, force: bool = False) -> dict[str, Any]:
@@ -27,6 +27,8 @@ def export(where: str | Path, out: str | Path, force: bool = False) -> dict[str,
     tmp = out.with_name(f".{out.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(ckpt / POLICY, tmp)
+    for f in tmp.iterdir():   # a checkpoint written before its weights were made 0644
+        readable(f)
     info.update(step=int(state["step"]), version=int(state["version"]), checkpoint=str(ckpt))
     (tmp / "pivotrl_export.json").write_text(json.dumps(info, indent=1) + "\n")
     out.parent.mkdir(parents=True, exist_ok=True)

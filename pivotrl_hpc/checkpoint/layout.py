@@ -155,6 +155,11 @@ def find(where: str | os.PathLike) -> Path:
         elif len(runs) > 1:
             raise CheckpointError(f"{p} holds the checkpoints of {len(runs)} runs "
                                   f"({', '.join(r.name for r in runs)}): name one")
+        elif any(p.glob("*.h5")):                 # a run folder that wrote none
+            raise CheckpointError(f"{p}: {no_checkpoint(sorted(p.glob('*.h5'))[0])}")
+    if p.name.endswith(".checkpoints") and not p.is_dir() and \
+            (trace := p.with_suffix(".h5")).exists():
+        raise CheckpointError(f"{where}: {no_checkpoint(trace)}")
     if is_whole(p):
         return p.resolve()
     if p.is_dir() and (newest := latest(p)) is not None:
@@ -164,6 +169,31 @@ def find(where: str | os.PathLike) -> Path:
                               "writing it); name an older one or its run")
     raise CheckpointError(f"no whole checkpoint at {p} (expected a step-N folder, a "
                           "*.checkpoints folder or a run's trace .h5)")
+
+
+def no_checkpoint(trace: Path) -> str:
+    """Why the run of `trace` has no checkpoint, and which setting makes them."""
+    every = None
+    try:
+        every = json.loads(trace.with_suffix(".config.json").read_text())["rl"][
+            "checkpoint_every"]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    ran = (f"it ran with rl.checkpoint_every={every}" if every is not None else
+           "its config is not beside its trace")
+    why = ("periodic checkpoints were off" if every == 0 else
+           "it stopped before its first checkpoint")
+    return (f"the run has no checkpoint ({ran}: {why}); set rl.checkpoint_every=N to "
+            "checkpoint every N steps and after the last one")
+
+
+def clean_partial(root: Path) -> list[Path]:
+    """Remove the `.step-N.tmp` folders a killed or cancelled job left half written (a
+    starting job's own, before it writes any); returns them."""
+    stale = sorted(root.glob(".step-*.tmp")) if root.is_dir() else []
+    for tmp in stale:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return stale
 
 
 def segment_trace(trace: str | os.PathLike) -> Path:
@@ -186,6 +216,19 @@ def segments(trace: str | os.PathLike) -> list[Path]:
         out.append(p)
         n += 1
     return out
+
+
+def readable(path: Path) -> None:
+    """Mode 0666 less the umask, as open() makes a file (safetensors writes 0600). The
+    umask from /proc: os.umask would set it, for a moment, under every thread."""
+    umask = 0o022
+    try:
+        with open("/proc/self/status") as f:
+            umask = next((int(line.split()[1], 8) for line in f if line.startswith("Umask:")),
+                         umask)
+    except OSError:
+        pass
+    os.chmod(path, 0o666 & ~umask)
 
 
 def _write_synced(path: Path, text: str) -> None:

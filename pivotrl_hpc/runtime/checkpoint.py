@@ -7,6 +7,12 @@
   params, Adam moments and steps) with its RNG states, all ranks in parallel. On resume the
   params come back from GPS (the checkpoint's policy) and this file refills the optimizer, so
   the fp32 master weights are the saved ones, never re-rounded from bf16.
+- The restored state must shift like any other: the offloader frees a storage by resizing it
+  to 0 bytes, and a storage torch.load made is not resizable (its bytes belong to the file
+  reader). Every loaded tensor is copied into a fresh storage of this process's allocator
+  before the optimizer takes it (Adam's state tensors are the loaded ones themselves; the fp32
+  master weights are copied into the trainer's own), so a shift down after a restart frees it
+  as before one.
 """
 from __future__ import annotations
 
@@ -15,8 +21,9 @@ import random
 import shutil
 import time
 from pathlib import Path
+from typing import Any
 
-from pivotrl_hpc.checkpoint.layout import POLICY, CheckpointError, optim_file
+from pivotrl_hpc.checkpoint.layout import POLICY, CheckpointError, optim_file, readable
 from pivotrl_hpc.gps.layout import ParallelPlace
 
 log = logging.getLogger(__name__)
@@ -42,6 +49,7 @@ def save_policy(store, version: int, folder: Path, base_model: str | Path) -> in
     tensors = {n: t.contiguous() for n, t in tensors.items()}
     save_file(tensors, str(out / "model.safetensors"), metadata={
         "format": "pt", "pivotrl_version": str(version)})
+    readable(out / "model.safetensors")   # safetensors writes 0600, the rest is 0644
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
@@ -63,11 +71,41 @@ def load_training(trainer, folder: Path, rank: int) -> None:
     if not path.is_file():
         raise CheckpointError(f"{path} missing: the checkpoint was made with fewer training "
                               "ranks (roles.train_devices / train_tensor_parallel changed?)")
-    state = torch.load(path, map_location=trainer.device, weights_only=False)
+    state = owned(torch.load(path, map_location=trainer.device, weights_only=False))
     trainer.optimizer.load_state_dict(state["optimizer"])
     trainer.steps_done = int(state["steps_done"])
     torch.set_rng_state(state["torch_rng"])
     random.setstate(state["python_rng"])
+
+
+def owned(obj: Any) -> Any:
+    """`obj` (a loaded state dict) with every tensor copied into a fresh, resizable storage;
+    tensors that shared a storage in the file share the copy."""
+    import torch
+
+    copies: dict[int, Any] = {}
+
+    def own(t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        src = t.untyped_storage()
+        key = src.data_ptr()
+        if key not in copies:
+            dst = torch.UntypedStorage(src.nbytes(), device=src.device)
+            dst.copy_(src)
+            copies[key] = dst
+        return torch.empty(0, dtype=t.dtype, device=t.device).set_(
+            copies[key], t.storage_offset(), t.shape, t.stride()).requires_grad_(t.requires_grad)
+
+    return _map(obj, own)
+
+
+def _map(obj: Any, fn) -> Any:
+    if isinstance(obj, dict):
+        return {k: _map(v, fn) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_map(v, fn) for v in obj)
+    return fn(obj)
 
 
 def save(worker, folder: str, version: int) -> tuple[dict, dict]:

@@ -1,9 +1,12 @@
 """A bf16 training worker: bf16 params, fp32 main params in Megatron's mixed-precision
-optimizer, through published steps and a shift down / shift up.
+optimizer, through published steps and a shift down / shift up; then a checkpoint, and a
+fresh worker resuming from it as a restarted job's does (its first shift up loads the
+checkpoint's policy and optimizer file) and shifting down and up again.
 
 usage: trainer_bf16.py POLICY_DIR OUT.json
 Writes a JSON report: dtypes, the bytes each shift moved, and whether the fp32 master
-weights survived the re-shift-up bit for bit (a refresh from the bf16 params rounds them).
+weights survived the re-shift-up bit for bit (a refresh from the bf16 params rounds them),
+before and after the resume.
 """
 from __future__ import annotations
 
@@ -40,6 +43,23 @@ def groups(trainer) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     return params, mains
 
 
+def adam_state(trainer) -> list[torch.Tensor]:
+    """Every optimizer state tensor (exp_avg, exp_avg_sq, step), in the optimizer's order."""
+    out = []
+    for opt in getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer]):
+        for pg in opt.optimizer.param_groups:
+            for p in pg["params"]:
+                st = opt.optimizer.state.get(p, {})
+                out += [st[k].detach().clone() for k in sorted(st)
+                        if isinstance(st[k], torch.Tensor)]
+    return out
+
+
+def everything(trainer) -> list[torch.Tensor]:
+    params, mains = groups(trainer)
+    return [*params, *mains, *adam_state(trainer)]
+
+
 def equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return len(a) == len(b) > 0 and all(torch.equal(x, y) for x, y in zip(a, b))
 
@@ -52,7 +72,7 @@ def on_policy(trainer) -> RolloutBatch:
                         base.rewards, base.group_ids)
 
 
-def scenario(w) -> dict:
+def scenario(w) -> tuple[dict, RolloutBatch]:
     ok(w.handle(ShiftUp(RoleKind.TRAINING)))
     tr = w.trainer
     params, mains = groups(tr)
@@ -75,11 +95,10 @@ def scenario(w) -> dict:
     r["params_bitwise_after_up"] = equal(params, params_up)
     r["main_bitwise_after_up"] = equal(mains, mains_up)
     r["step_after_up"] = ok(w.handle(TrainStep(batch, publish=False))).result
-    r.update(checkpoint_round_trip(w, batch))
-    return r
+    return r, batch
 
 
-def checkpoint_round_trip(w, batch) -> dict:
+def checkpoint_round_trip(w, batch) -> tuple[dict, dict]:
     """Publish, checkpoint, take one more step (the reference); then restore as a resumed
     job does (params from the checkpoint's policy, refreshing the master weights from bf16,
     then the rank's optimizer file) and take the same step again."""
@@ -97,8 +116,11 @@ def checkpoint_round_trip(w, batch) -> dict:
     (folder / "optim").mkdir()
     saved = ok(w.handle(SaveCheckpoint(str(folder), version))).result
     params, mains = groups(tr)
+    saved_state = everything(tr)
     ref = ok(w.handle(TrainStep(batch, publish=False))).result
     ref_params, ref_mains = groups(tr)
+    resumed = {"folder": folder, "state": saved_state, "batch": batch, "loss": ref["loss"],
+               "next": everything(tr)}
     tr.load_hf(load_file(str(folder / "policy" / "model.safetensors")))
     rounded = equal(groups(tr)[1], [p.float() for p in params])
     load_training(tr, folder, 0)
@@ -111,6 +133,32 @@ def checkpoint_round_trip(w, batch) -> dict:
     r["ckpt_next_step_bitwise"] = (equal(groups(tr)[0], ref_params)
                                    and equal(groups(tr)[1], ref_mains)
                                    and again["loss"] == ref["loss"])
+    return r, resumed
+
+
+def resume_then_shift(cfg, ref: dict) -> dict:
+    """A fresh worker resuming from the checkpoint (spec.resume, GPS holding its policy) as a
+    requeued job's does: its state after the first shift up is the checkpoint's; a shift down
+    and up after it moves the restored state (parameters, fp32 master, Adam) and gives it
+    back bit for bit; the next step equals the uninterrupted run's."""
+    folder = ref["folder"]
+    spec = WorkerSpec(model_dirs={"policy": str(folder / "policy")}, trainer_config=cfg,
+                      resume=str(folder))
+    r: dict = {}
+    with local_worker(spec, job=f"bf16r{os.getpid()}") as w:
+        ok(w.handle(ShiftUp(RoleKind.TRAINING)))
+        restored = everything(w.trainer)
+        r["resume_state_bitwise"] = equal(restored, ref["state"])
+        down = w.handle(ShiftDown())
+        r["resume_shift_down_error"] = down.error
+        if not down.ok:
+            return r
+        r["resume_freed"] = w.trainer.last_offload_bytes
+        ok(w.handle(ShiftUp(RoleKind.TRAINING)))
+        r["resume_shift_bitwise"] = equal(everything(w.trainer), restored)
+        again = ok(w.handle(TrainStep(ref["batch"], publish=False))).result
+        r["resume_next_step_bitwise"] = (equal(everything(w.trainer), ref["next"])
+                                         and again["loss"] == ref["loss"])
     return r
 
 
@@ -120,7 +168,10 @@ def main(policy: str, out: str) -> None:
                         optim=OptimConfig(lr=1e-4, clip_grad=0), micro_batch_size=4)
     with local_worker(WorkerSpec(model_dirs={"policy": policy}, trainer_config=cfg),
                       job=f"bf16{os.getpid()}") as w:
-        report = scenario(w)
+        report, batch = scenario(w)
+        round_trip, resumed = checkpoint_round_trip(w, batch)
+        report.update(round_trip)
+    report.update(resume_then_shift(cfg, resumed))
     with open(out, "w") as f:
         json.dump(report, f, indent=1)
 

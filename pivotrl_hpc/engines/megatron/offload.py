@@ -83,6 +83,14 @@ class HostOffloader:
         # Resolve every category's storages before freeing any, so a storage shared by two
         # categories is counted (and moved) once, in the first category that names it.
         plan = {name: unique_storages(groups.get(name, []), seen) for name in CATEGORIES}
+        # Checked before any storage is freed: failing half way would leave the role with
+        # part of its state gone and the rest resident.
+        fixed = [name for name, storages in plan.items() if any(not s.resizable()
+                                                                for s in storages)]
+        if fixed:
+            raise RuntimeError(f"cannot offload {', '.join(fixed)}: a storage is not "
+                               "resizable (one torch.load or from_file made, not the "
+                               "allocator); copy such tensors into owned storages first")
         discard = set(discard)
         for name, storages in plan.items():
             t0 = time.perf_counter()
