@@ -126,3 +126,26 @@ def test_prefill_is_charged_per_token_at_admission_and_again_after_a_migration()
     second.submit(AddSequences((SeqRequest.resume(aborted),)))
     assert second.next_reply_time() - clock.now() == pytest.approx(5000 * p)
     assert 5000 * p == pytest.approx(0.113, rel=0.01)
+
+
+def test_only_max_num_seqs_sequences_decode_at_once_the_rest_wait_their_turn():
+    """As vLLM's max_num_seqs: with a cap of 2, of a (3 tokens), b (10) and c (4) only a and
+    b decode; c starts when a finishes. A Step of 8: blocks of 3 (a, b), 4 (b, c), 1 (b)."""
+    clock = VirtualClock()
+    w = ModeledWorker(0, clock, ModeledStore(), {"policy": MODEL, "genrm": MODEL},
+                      {"rollout": 0.0}, {"rollout": 0.0}, max_num_seqs=2)
+    w.submit(ShiftUp(RoleKind.ROLLOUT))
+    w.submit(AddSequences(tuple(SeqRequest(sid, (1, 2, 3), (), (), n, Sampling())
+                                for sid, n in {"a": 3, "b": 10, "c": 4}.items())))
+    clock.wait_until(w.next_reply_time())
+    w.poll()
+    outs = step(w, 8)
+    assert [o.iterations for o in outs] == [3, 4, 1]
+    assert [[f.seq_id for f in o.finished] for o in outs] == [["a"], ["c"], []]
+    by_hand = ([MODEL.latency(2, 6 + 2 * i) for i in range(3)]          # a, b
+               + [MODEL.latency(2, (6 + 3) + 2 * i) for i in range(4)]  # b (3 done), c
+               + [MODEL.latency(1, 3 + 7)])                             # b
+    assert [o.seconds for o in outs] == pytest.approx(
+        [sum(by_hand[:3]), sum(by_hand[3:7]), by_hand[7]], rel=1e-12)
+    c = [t for o in outs for p in o.progress if p.seq_id == "c" for t in p.token_ids]
+    assert c == tokens_at("c", 0, 4, 64)

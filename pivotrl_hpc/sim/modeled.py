@@ -12,11 +12,12 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 from functools import lru_cache
+from itertools import islice
 from pathlib import Path
 
 from pivotrl_hpc.controller.clock import VirtualClock
-from pivotrl_hpc.engines.vllm.types import (AbortedSequence, FinishedSequence, SeqProgress,
-                                            StepOutput)
+from pivotrl_hpc.engines.vllm.types import (AbortedSequence, EngineOptions, FinishedSequence,
+                                            SeqProgress, StepOutput)
 from pivotrl_hpc.runtime.messages import (Abort, AddSequences, Command, Prepare, QueryState,
                                           Reload, Reply, RoleKind, SaveCheckpoint, ShiftDown,
                                           ShiftUp, Shutdown, Step, TrainStep, WaitWrite)
@@ -74,6 +75,9 @@ class ModeledWorker:
     # seconds to prefill one token, per model ("policy", "genrm"): every AddSequences pays
     # for each sequence's prompt and generated tokens (a resumed one is prefilled again)
     prefill_s_per_token: dict[str, float] = field(default_factory=dict)
+    # sequences decoded at once, as the live engines' vLLM max_num_seqs (runtime/spec.py
+    # leaves EngineOptions' default); the Scheduler may place more (up to the KV capacity)
+    max_num_seqs: int = EngineOptions.max_num_seqs
     vocab: int = 64
     role: RoleKind = RoleKind.IDLE
     version: int | None = None
@@ -197,10 +201,13 @@ class ModeledWorker:
         Each iteration takes the model's latency at its own token count; with `late_finish`
         (tests) one iteration at a time, as the engine reports."""
         model = self.models[self._model()]
-        live = [(sid, s) for sid, s in self.seqs.items() if s.remaining > 0]
+        # as vLLM: the first max_num_seqs sequences in arrival order run, the rest wait
+        # (their KV is not allocated yet) until a running one finishes
+        running = list(islice(self.seqs.items(), self.max_num_seqs))
+        live = [(sid, s) for sid, s in running if s.remaining > 0]
         k = 1 if self.late_finish or not live else min(most, min(s.remaining for _, s in live))
-        n_seq = len(self.seqs)
-        n_tok = sum(len(s.prompt) + len(s.generated) for s in self.seqs.values())
+        n_seq = len(running)
+        n_tok = sum(len(s.prompt) + len(s.generated) for _, s in running)
         # iteration i sees n_tok + i * (sequences still generating) tokens
         seconds = self.slowdown * sum(model.latency(n_seq, n_tok + i * len(live))
                                       for i in range(k)) if self.seqs else 0.0
