@@ -12,10 +12,13 @@ Captured right after step `step - 1`'s policy (version `version`) is replicated:
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any, Mapping
 
 from pivotrl_hpc.checkpoint.layout import CheckpointError
 from pivotrl_hpc.engines.vllm.types import Sampling
+
+log = logging.getLogger(__name__)
 
 # What must not change between a checkpoint and the job resuming it: the batches would mean
 # something else. (rl.steps may grow: a run can be extended.)
@@ -127,9 +130,12 @@ def fixed_values(cfg) -> dict[str, Any]:
 
 def prepare(cfg) -> dict[str, Any] | None:
     """Where the job starts, checked before any rank does work: None (afresh) or the
-    checkpoint's folder, step and policy version. Raises CheckpointError."""
-    from pivotrl_hpc.checkpoint.layout import read_state, resolve
+    checkpoint's folder, step and policy version. Raises CheckpointError. The partial
+    checkpoints an earlier start of the run left (killed while writing one) go first."""
+    from pivotrl_hpc.checkpoint.layout import clean_partial, read_state, resolve, root_for
 
+    for tmp in clean_partial(root_for(cfg.trace.path)):
+        log.warning("removed %s, a checkpoint an earlier start left half written", tmp)
     path = resolve(cfg.resume, cfg.trace.path)
     if path is None:
         return None

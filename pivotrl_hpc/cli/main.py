@@ -25,6 +25,8 @@ class Command:
 COMMANDS: tuple[Command, ...] = (
     Command("run", "pivotrl_hpc.cli.run", "run an RL job locally (mpirun) or inside an allocation"),
     Command("submit", "pivotrl_hpc.cli.submit", "submit an RL job to Slurm with submitit"),
+    Command("resume", "pivotrl_hpc.cli.resume",
+            "continue a stopped Slurm run in its run folder from its newest checkpoint"),
     Command("simulate", "pivotrl_hpc.cli.simulate",
             "the job on modeled devices in virtual time, paradigm vs paradigm"),
     Command("reproduce", "pivotrl_hpc.cli.reproduce",

@@ -43,32 +43,50 @@ def diagnose(layout: RankLayout, paths: RunPaths, launcher_stderr: str, rc: int,
     if errors:
         e = json.loads(errors[0].read_text())
         return rank_line(layout, paths, e["rank"], e["host"], e["error"])
+    def named(rank: int, host: str | None, what: str) -> str:
+        return rank_line(layout, paths, rank, host, what, launcher_stderr,
+                         paths.logs / f"{launcher}.log")
+
     m = _DIED.search(launcher_stderr)
     if m:
         name = m.group(4) or signal.Signals(int(m.group(3))).name
-        return rank_line(layout, paths, int(m.group(1)), m.group(2),
-                         f"killed by signal {m.group(3)} ({name})")
+        return named(int(m.group(1)), m.group(2), f"killed by signal {m.group(3)} ({name})")
     m = _SRUN.search(launcher_stderr)
     if m:
         what = f"exited with code {m.group(4)}" if m.group(4) else m.group(3).lower()
-        return rank_line(layout, paths, int(m.group(2)), m.group(1), what)
+        return named(int(m.group(2)), m.group(1), what)
     for pattern, what in ((_ABORT, "called MPI Abort"), (_EXIT, "exited with code {}")):
         m = pattern.search(launcher_stderr)
         if m:
-            return rank_line(layout, paths, int(m.group(1)), None, what.format(*m.groups()[1:]))
+            return named(int(m.group(1)), None, what.format(*m.groups()[1:]))
     tail = " | ".join(line.strip() for line in launcher_stderr.strip().splitlines()[-3:])
     return f"{launcher} exited with code {rc}: {tail or 'no message'} (see {paths.logs})"
 
 
 def rank_line(layout: RankLayout, paths: RunPaths, rank: int, host: str | None,
-              error: str) -> str:
+              error: str, launcher_stderr: str = "", launcher_log: Path | None = None) -> str:
     info = layout.info(rank)
     log_path = paths.rank_log(rank)
     role, last = _from_log(log_path)
     host = host or _pid_host(paths, rank)
     where = f"{info.describe()}, host {host or '?'}" + (f", role {role}" if role else "")
+    if not log_path.exists():
+        # it died before opening its log (an interpreter without the venv's packages, a
+        # crash at import): what it said went to the launcher's stderr
+        said = _said(launcher_stderr)
+        return (f"{where} failed: {error} before opening its log"
+                + (f" ({said})" if said else "") + f"; see {launcher_log or paths.logs}")
     detail = f" (last log line: {last})" if last and last not in error else ""
     return f"{where} failed: {error}{detail}; log {log_path}"
+
+
+def _said(launcher_stderr: str) -> str:
+    """The last error a process printed among the launcher's lines (its own excluded)."""
+    lines = [line.strip() for line in launcher_stderr.splitlines() if line.strip()
+             and not line.lstrip().startswith(("srun:", "slurmstepd:", "mpirun", "---",
+                                               "Primary job", "prterun"))]
+    errors = [line for line in lines if re.search(r"(Error|error|Exception)\b", line)]
+    return " | ".join((errors or lines)[-2:])[:400]
 
 
 def _from_log(path: Path) -> tuple[str | None, str | None]:

@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from pivotrl_hpc.checkpoint.layout import REQUEST_FILE, latest, root_for, segments
@@ -38,6 +39,55 @@ def resolve_everywhere(world, cfg, controller: bool) -> dict | None:
         log.info("resuming from %s (step %d, policy v%d)", resumed["path"], resumed["step"],
                  resumed["version"])
     return resumed
+
+
+def absolute_resume(overrides: Sequence[str], base: Path) -> list[str]:
+    """`resume=PATH` relative to `base` (the submit directory), as a user means it; the
+    config loader would take it from the config's folder, as it does the config's paths."""
+    from pivotrl_hpc.checkpoint.layout import names_a_path
+
+    out = []
+    for o in overrides:
+        key, eq, value = o.partition("=")
+        if eq and key.strip() == "resume" and names_a_path(value) and \
+                not Path(value).is_absolute():
+            o = f"resume={base / value}"
+        out.append(o)
+    return out
+
+
+def continue_in(resume: bool | str) -> Path | None:
+    """The trace of the run a job named by `resume=PATH` continues (`pivotrl resume`,
+    `sbatch ... resume=runs/NAME-ID`): that checkpoint's run folder, not a new one, so the
+    run's trace gets its next segment beside the others. None: `resume` names no path."""
+    from pivotrl_hpc.checkpoint.layout import CheckpointError, find, names_a_path
+
+    if not names_a_path(resume):
+        return None
+    try:
+        ckpt = find(resume)
+    except CheckpointError as e:
+        raise LaunchError(f"resume={resume}: {e}") from None
+    root = ckpt.parent     # <run>/<name>.checkpoints
+    return root.parent / (root.name.removesuffix(".checkpoints") + ".h5")
+
+
+def earlier_runs(runs: Path, job_name: str, trace_name: str, this: Path) -> str | None:
+    """A new job (no `resume=PATH`) of a name whose earlier runs under `runs` hold
+    checkpoints of the same config: say so and how to continue the newest of them."""
+    from pivotrl_hpc.checkpoint.layout import latest
+
+    found = []
+    for run in runs.glob(f"{job_name}-*"):
+        ckpt = latest(root_for(run / trace_name))
+        if run != this and ckpt is not None:
+            found.append((ckpt.stat().st_mtime, run, ckpt))
+    if not found:
+        return None
+    _, run, ckpt = max(found)
+    return (f"{run} holds checkpoints of this config (newest {ckpt.name}); this job starts "
+            f"afresh in {this}. To continue that run instead: pivotrl resume {run} (or sbatch "
+            f"slurm/pivot.sbatch CONFIG resume={run})")
 
 
 def forget_segments(trace: Path) -> None:

@@ -31,7 +31,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from pivotrl_hpc.checkpoint.layout import REQUEUE_FILE
+from pivotrl_hpc.checkpoint.layout import REQUEUE_FILE, latest, root_for
 from pivotrl_hpc.config.paradigm import normalize
 from pivotrl_hpc.config.validate import check_cpu_shares
 from pivotrl_hpc.launch import cgroup
@@ -41,7 +41,8 @@ from pivotrl_hpc.launch.layout import (LaunchError, RankLayout, RunPaths, expand
 from pivotrl_hpc.launch.local import (PreparedRun, StderrFollower, free_port_base,
                                       preempt_grace, resolved_config, sweep_segments,
                                       write_files)
-from pivotrl_hpc.launch.resume import RUNNING, request_checkpoint, requeueable, stop_grace
+from pivotrl_hpc.launch.resume import (RUNNING, absolute_resume, continue_in, earlier_runs,
+                                       request_checkpoint, requeueable, stop_grace)
 
 log = logging.getLogger(__name__)
 
@@ -175,8 +176,14 @@ def prepare(cfg, alloc: Allocation, *, root: str | Path | None = None,
     if cgroup.caps_enabled(cfg, env):
         cgroup.check_writable(alloc.job_id)
     layout = RankLayout(cfg.cluster.nodes, cfg.cluster.devices_per_node, alloc.nodes)
-    folder = runs_root(env, alloc, root) / run_folder_name(alloc.job_name, alloc.job_id)
-    config, paths = resolved_config(cfg, folder / Path(cfg.trace.path).name)
+    trace = continue_in(cfg.resume)     # resume=PATH: that run's folder, continued
+    if trace is None:
+        folder = runs_root(env, alloc, root) / run_folder_name(alloc.job_name, alloc.job_id)
+        trace = folder / Path(cfg.trace.path).name
+        note = earlier_runs(folder.parent, alloc.job_name, trace.name, folder)
+        if note and latest(root_for(trace)) is None:   # (a requeued job has its own)
+            warnings.append(note)
+    config, paths = resolved_config(cfg, trace)
     run_env = {"PIVOTRL_PORT_BASE": str(free_port_base(job_ports(len(layout.devices)))),
                "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1")}
     cpus = min(alloc.cpus) // layout.ranks_per_node
@@ -347,8 +354,9 @@ def run_in_allocation(config: str | Path, overrides: tuple[str, ...] | list[str]
     from pivotrl_hpc.config import load_config
 
     _log_to_stderr()
-    cfg = load_config(config, list(overrides))
-    run = prepare(cfg, Allocation.from_env(), root=root)
+    alloc = Allocation.from_env()
+    cfg = load_config(config, absolute_resume(overrides, alloc.submit_dir))
+    run = prepare(cfg, alloc, root=root)
     out = execute(run)
     if out.code == 0 and out.summary is not None:
         return {**out.summary, "trace": str(out.paths.trace),
@@ -369,7 +377,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     _log_to_stderr()
     try:
-        run = prepare(load_config(argv[0], argv[1:]), Allocation.from_env())
+        alloc = Allocation.from_env()
+        run = prepare(load_config(argv[0], absolute_resume(argv[1:], alloc.submit_dir)), alloc)
     except BAD_INPUT as e:
         print(f"pivot.sbatch: error: {bad_input(e, argv[0])}", file=sys.stderr)
         return 2
