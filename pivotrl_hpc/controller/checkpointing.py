@@ -42,6 +42,10 @@ class Checkpointer:
                  logs: Path | None = None) -> None:
         self.root, self.every, self.keep, self.fixed = Path(root), every, keep, dict(fixed)
         self.logs = logs
+        if every == 0:
+            log.warning("no periodic checkpoints (rl.checkpoint_every=0): only a stop that "
+                        "asks for one (time limit, preemption grace, SIGUSR1) writes one; "
+                        "set rl.checkpoint_every=N for one every N steps")
         self.mode: str | None = None      # a request pending: one of MODES
         self._poll_at = 0.0
         self._published: list[float] = []  # when the last steps were replicated

@@ -38,6 +38,7 @@ from pivotrl_hpc.runtime.messages import (Prepare, QueryState, Reply, Shutdown, 
 from pivotrl_hpc.sched.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
+STOP_SHUTDOWN_S = 15.0   # a stop signal's Shutdown wait: inside launch.stop's 20 s grace
 
 
 @dataclass(frozen=True)
@@ -87,13 +88,14 @@ class Controller:
         self.checkpoints = None             # controller.checkpointing.Checkpointer (live)
         self.stop_reason: str | None = None  # set to end the job early (a requeue)
         self.prebuilt_s: float | None = None  # when the last device's engines were built
+        self.preparing: set[int] = set()       # devices still building them
         # live: the rank's stop check (launch.stop.Stopper.check), a backstop for a stop
         # signal whose interrupt was lost; nothing to check under the simulator
         self.stop_check: Callable[[], None] = lambda: None
 
     # --- the loop ----------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
-        ok = False
+        ok, stopped = False, False
         try:
             self.prebuild()
             if self._bootstrap is not None:   # the start-up allocation: planner row 0
@@ -118,17 +120,23 @@ class Controller:
                 summary["stopped"] = self.stop_reason
             summary["peak_rss_mb"] = peak_rss
             return summary
+        except KeyboardInterrupt:   # a stop signal (launch.stop.Interrupted): an orderly stop
+            stopped = True
+            raise
         finally:
             self.trace.flush()  # readable whatever happens next (a dead worker gets us killed)
-            # A failed run waits only briefly for answers: a dead worker never replies.
-            self.shutdown(60.0 if ok else 5.0)
+            # A failed run waits only briefly for answers: a dead worker never replies. On a
+            # stop the workers first finish the command they are in (a shift up, a step:
+            # seconds), inside the ranks' stop grace (20 s).
+            self.shutdown(60.0 if ok else STOP_SHUTDOWN_S if stopped else 5.0,
+                          orderly=ok or stopped)
 
     def prebuild(self) -> None:
         """Prepare every device (its engines built, asleep) before anything else: the
         commands queue behind it per device, so the loop does not wait here."""
         if not self.cfg.prebuild:
             return
-        left = set(self.devices.handles)
+        left = self.preparing = set(self.devices.handles)
 
         def done(replies: list[Reply]) -> None:
             check_replies(replies)
@@ -405,12 +413,14 @@ class Controller:
         return {str(d): r.result["peak_rss_mb"] for d, r in replies.items()
                 if r.ok and isinstance(r.result, dict) and "peak_rss_mb" in r.result}
 
-    def shutdown(self, timeout_s: float = 60.0) -> None:
-        """Every worker gets Shutdown on every exit path (Devices.stop_all)."""
+    def shutdown(self, timeout_s: float = 60.0, orderly: bool = True) -> None:
+        """Every worker gets Shutdown on every exit path (Devices.stop_all). After a stop
+        signal a device still busy is no fault: it ends with the job's other ranks."""
         self.decider.close()
         try:
             left = self.devices.stop_all(Shutdown(), self.clock, timeout_s)
             if left:
-                log.error("devices %s did not answer Shutdown within %.0f s", left, timeout_s)
+                (log.warning if orderly else log.error)(
+                    "devices %s did not answer Shutdown within %.0f s", left, timeout_s)
         except Exception:  # noqa: BLE001 - a dead worker must not hide the original error
             log.exception("shutdown broadcast failed")

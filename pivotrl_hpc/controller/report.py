@@ -191,9 +191,14 @@ class Reporter:
                           tokens_total=self.trained_tokens)
         self._window[TRAINING] = 0
         self.trace.flush()
-        log.info("step %d/%d v%d | %s | training %s | shifts %d", ctl.step, ctl.cfg.steps,
-                 ctl.published, " | ".join(parts), "up" if tr.up else "down",
-                 sum(ctl.executor.book.count.values()))
+        if ctl.preparing:   # start-up: say what it waits for, not "step 0" again and again
+            log.info("starting: engines %s built on %d of %d devices (%.0f s)",
+                     ",".join(ctl.cfg.prebuild), len(ctl.devices.handles) - len(ctl.preparing),
+                     len(ctl.devices.handles), now)
+        else:
+            log.info("step %d/%d v%d | %s | training %s | shifts %d", ctl.step, ctl.cfg.steps,
+                     ctl.published, " | ".join(parts), "up" if tr.up else "down",
+                     sum(ctl.executor.book.count.values()))
         self._last_t, self.next_tick = now, now + ctl.cfg.log_interval_s
 
     # --- the end -----------------------------------------------------------------------
