@@ -169,3 +169,18 @@ def test_saved_and_exported_weights_are_readable_by_all(tiny_models, tmp_path):
         f.name: 0o666 & ~umask for f in Path(out).iterdir()}
     layout.readable(weights)
     assert stat.S_IMODE(weights.stat().st_mode) == 0o666 & ~umask
+
+
+def test_a_runs_resolved_config_loads_as_the_config_of_its_resume(tmp_path):
+    """`pivotrl resume` submits the run's <name>.config.json: JSON, whose 1e-07 YAML would
+    read as a string."""
+    from pivotrl_hpc.config.load import load_config
+    from pivotrl_hpc.launch.local import resolved_config
+
+    cfg = load_config(None, ["throughput.policy.A=1.0e-7"], check_files=False)
+    config, paths = resolved_config(cfg, tmp_path / "run" / "x.h5")
+    paths.config_json.parent.mkdir()
+    paths.config_json.write_text(json.dumps(config))
+    again = load_config(paths.config_json, ["rl.steps=9"], check_files=False)
+    assert again.throughput.policy.A == 1e-7 and again.rl.steps == 9
+    assert again.trace.path == str(tmp_path / "run" / "x.h5")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import types
 import typing
 from pathlib import Path
@@ -129,9 +130,14 @@ def load_config(path: str | Path | None, overrides: list[str] = (), *,
         if not path.is_file():
             raise ConfigError("<file>", f"config file {path} does not exist")
         try:
-            data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-        except (yaml.YAMLError, UnicodeDecodeError) as e:
-            raise ConfigError("<file>", f"{path} is not valid YAML: {_first_line(e)}") from None
+            text = path.read_text(encoding="utf-8")
+            # a run's resolved <name>.config.json (`pivotrl resume`) as JSON: YAML 1.1 reads
+            # a float like 1e-07 as a string
+            data = (json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)) or {}
+        except (yaml.YAMLError, UnicodeDecodeError, ValueError) as e:
+            raise ConfigError("<file>", f"{path} is not valid "
+                              f"{'JSON' if path.suffix == '.json' else 'YAML'}: "
+                              f"{_first_line(e)}") from None
         base = path.resolve().parent
     cfg = resolve_paths(build(Config, apply_overrides(data, list(overrides))), base)
     validate(cfg, check_files=check_files)
