@@ -25,7 +25,7 @@ PEER = ROOT / "tests" / "programs" / "forker_peer.py"
 @pytest.fixture
 def node(monkeypatch):
     """A node's forker address of its own (not the test process's private forker)."""
-    name = host_forker.node_address(f"t{uuid.uuid4().hex[:8]}", "n0")
+    name = host_forker.node_address(f"t{uuid.uuid4().hex[:8]}", "n0", uuid.uuid4().hex[:16])
     monkeypatch.setenv(host_forker.ADDRESS_ENV, name)
     yield name
     host_forker.leave()

@@ -33,6 +33,7 @@ import importlib
 import json
 import logging
 import os
+import secrets
 import signal
 import sys
 import threading
@@ -166,7 +167,10 @@ class Rank:
                 "PIVOTRL_LAUNCHER_PID"]),), name="launcher-watch", daemon=True).start()
         self.paths.rank_pid(self.info.rank).write_text(f"{os.getpid()} {host_name()}\n")
         check_placement(self.layout, self.info.rank, os.environ)
-        ports = self.world.bcast(port_base(self.job, os.environ), root=CONTROLLER_RANK)
+        # the node forkers' names carry a token of the job's (issue 35: unguessable by
+        # another account, which could otherwise bind a name first and take the job's env)
+        ports, self.forker_token = self.world.bcast(
+            (port_base(self.job, os.environ), secrets.token_hex(8)), root=CONTROLLER_RANK)
         from pivotrl_hpc.launch.resume import resolve_everywhere
         self.resumed = resolve_everywhere(self.world, self.cfg, self.info.controller)
         hosts = self.world.allgather(os.environ.get("SLURMD_NODENAME") or host_name())
@@ -244,7 +248,8 @@ class Rank:
         from pivotrl_hpc.runtime.serve import serve
         from pivotrl_hpc.runtime.worker import DeviceWorker
 
-        os.environ[host_forker.ADDRESS_ENV] = host_forker.node_address(self.job, node)
+        os.environ[host_forker.ADDRESS_ENV] = host_forker.node_address(self.job, node,
+                                                                       self.forker_token)
         wait_barrier(node_comm, "GPS agent start-up")
         client = GPSClient(self.job, node)
         try:

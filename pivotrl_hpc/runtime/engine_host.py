@@ -9,7 +9,9 @@ inside the host (sleep / wake: vLLM's on GPU, `cpu_sleep` on CPU), so a shift pa
 process start and no engine build. The host Reads its parameters from GPS shared memory
 itself (`GPSRead`).
 
-Protocol: pickled (method, args) over a `multiprocessing` pipe; every reply carries the
+Protocol: [method, args] over a socketpair that only the worker and its host hold, in the
+typed format of `wire` (`HOST_WIRE`: JSON of the engine's dataclasses, never pickle: bytes
+that came from anywhere else cannot run code on either side); every reply carries the
 engine's `awake`, running count and the GPS version last read. A dead child or a call past
 its timeout raises `EngineHostError` naming the host, never hangs; the child exits when its
 worker dies (pipe EOF, or a watchdog on the worker's pidfd). Hosts fork from their node's
@@ -31,9 +33,11 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from pivotrl_hpc.engines.vllm.types import (AbortedSequence, EngineOptions, EngineState,
-                                            Sampling, StepOutput)
+                                            FinishedSequence, RunningSequence, Sampling,
+                                            SeqProgress, StepOutput)
 from pivotrl_hpc.gps.layout import ParallelPlace
 from pivotrl_hpc.runtime import engine_host_child, host_forker
+from pivotrl_hpc.runtime.wire import Codec, WireError
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +79,11 @@ class TPWorld:
     def __post_init__(self) -> None:
         if self.size < 1 or not 0 <= self.rank < self.size:
             raise ValueError(f"bad TP world place: rank {self.rank} of {self.size}")
+
+
+# Everything a worker and its host exchange (engine_host_child decodes with it too).
+HOST_WIRE = Codec(EngineOptions, Sampling, SeqProgress, FinishedSequence, StepOutput,
+                  AbortedSequence, RunningSequence, EngineState, ParallelPlace, GPSRead, TPWorld)
 
 
 class EngineHostError(RuntimeError):
@@ -170,7 +179,7 @@ class EngineHost:
         if self._pending is not None:
             raise EngineHostError(f"engine host {self.name}: {self._pending} still pending")
         try:
-            self._conn.send((method, args))
+            self._conn.send_bytes(HOST_WIRE.encode([method, list(args)]))
         except (BrokenPipeError, ConnectionError, EOFError, OSError):
             raise self._died(method) from None
         self._pending = method
@@ -195,9 +204,17 @@ class EngineHost:
         while True:
             try:
                 if self._conn.poll(0.05):
-                    return self._conn.recv()
+                    reply = HOST_WIRE.decode(self._conn.recv_bytes())
+                    if not (isinstance(reply, list) and len(reply) == 5):
+                        raise WireError(f"a reply has 5 items, not {reply!r:.80}")
+                    return reply
             except (EOFError, ConnectionError, OSError):
                 raise self._died(method) from None
+            except WireError as e:   # not our host's: whoever wrote it, stop talking to it
+                self._kill()
+                self._closed = True
+                raise EngineHostError(f"engine host {self.name} (pid {self._proc.pid}): "
+                                      f"bad reply to {method}: {e}; host killed") from None
             if self._proc.exitcode is not None and not self._conn.poll(0):
                 raise self._died(method)
             if time.monotonic() > deadline:

@@ -1,8 +1,9 @@
 """The engine host's own side: a child process of the device worker (see `engine_host`).
 
 Forked by the node's host forker, which imported vLLM once (`preload`); `run(conn,
-worker_pid, name, env)` takes the host's environment, then answers (method, args) from
-`conn` with (status, value, awake, running, version) until `close` or the pipe's EOF, and
+worker_pid, name, env)` checks that `conn` is its worker's (the socketpair's creator), takes
+the host's environment, then answers [method, args] from `conn` with [status, value, awake,
+running, version] (typed, `engine_host.HOST_WIRE`) until `close` or the pipe's EOF, and
 leaves as soon as the worker is gone (a watchdog thread on the worker's pidfd: an engine busy
 in a step, or blocked in a collective, does not read the pipe).
 """
@@ -35,6 +36,13 @@ def preload() -> float:
 
 def run(conn: Connection, worker_pid: int, name: str, env: dict[str, str]) -> None:
     """The host's life, in a process forked by the node's forker (`host_forker`)."""
+    from pivotrl_hpc.runtime.wire import peer
+
+    creator = peer(conn.fileno())   # the forker checked who asked; this checks the pipe
+    if (creator.pid, creator.uid) != (worker_pid, os.getuid()):
+        os.write(2, f"engine host {name}: its pipe was made by pid {creator.pid} uid "
+                    f"{creator.uid}, not worker {worker_pid}; leaving\n".encode())
+        os._exit(71)
     os.environ.clear()
     os.environ.update(env)   # the forker's environment is its starter's at its start
     os.dup2(2, 1)            # vLLM logs to stdout; a worker's stdout is data
@@ -75,19 +83,35 @@ def _watch_worker(pid: int, host: _Host) -> None:
 
 
 def serve(conn: Connection, host: _Host) -> None:
+    from pivotrl_hpc.runtime.engine_host import HOST_WIRE
+
     while True:
         try:
-            method, args = conn.recv()
+            data = conn.recv_bytes()
         except (EOFError, OSError):
             log.warning("parent closed the pipe; leaving")
             return
+        method = None
         try:
-            reply: tuple = ("ok", host.run(method, args))
+            method, args = _command(HOST_WIRE.decode(data))
+            reply: list = ["ok", host.run(method, args)]
         except Exception as e:  # noqa: BLE001 - every failure goes back to the worker
-            reply = ("error", (type(e).__name__, str(e), traceback.format_exc(limit=8)))
-        conn.send((*reply, host.awake, host.running, host.version))
+            reply = ["error", [type(e).__name__, str(e), traceback.format_exc(limit=8)]]
+        try:
+            data = HOST_WIRE.encode([*reply, host.awake, host.running, host.version])
+        except ValueError as e:   # a value the channel has no type for: say so, live on
+            data = HOST_WIRE.encode(["error", ["TypeError", str(e), ""], host.awake,
+                                     host.running, host.version])
+        conn.send_bytes(data)
         if method == "close":
             return
+
+
+def _command(message) -> tuple[str, list]:
+    if not (isinstance(message, list) and len(message) == 2 and isinstance(message[0], str)
+            and isinstance(message[1], list)):
+        raise ValueError(f"not an engine host command: {message!r:.80}")
+    return message[0], message[1]
 
 
 class _Host:

@@ -6,15 +6,22 @@ only the process that started it can use), so a node of G devices imported vLLM 
 the job's start, all at once: on a 2-core machine a 2 x 4 job spent ~15 s of its start-up on
 six of those eight imports. The forker is one process per node, shared by every worker there.
 
-- Address: an abstract unix socket (no file to clean), named by job and node
-  (`node_address`) in PIVOTRL_HOST_FORKER, set by the launcher per worker. Unset (tests,
-  benchmarks), a process has a private forker of its own.
+- Address: an abstract unix socket (no file to clean), `node_address`: the job's uid, job,
+  node and a per-job random token (drawn by the controller's rank, sent to every rank over
+  MPI), in PIVOTRL_HOST_FORKER, set by the launcher per worker. Unset (tests, benchmarks), a
+  process has a private forker of its own, named with its pid and a random token.
+- Trust (issue 35, N1/N2): both ends check the other's SO_PEERCRED before they send anything:
+  the forker serves only the job's uid; a worker talks only to a forker of its own uid (the
+  one that started it: to the listener it bound itself) and otherwise raises
+  `ForkerRefused` naming the holder. Requests are typed (`FORKER_WIRE`, JSON: never pickle),
+  the fds go by SCM_RIGHTS. See docs/security.md.
 - Start: the first worker that binds the address starts the forker (a fresh interpreter, not a
   fork of an MPI rank) and hands it the bound socket; the others find the address in use and
   connect. Connections queue while it imports; it answers once it has.
 - A worker holds a session (one connection) for its life; the forker leaves when no session
-  is open and every host it forked is gone. SIGTERM / SIGHUP / SIGINT are ignored (Slurm
-  signals every process of the step; the workers decide when hosts stop).
+  is open and every host it forked is gone. While it imports it dies with its starter
+  (parent death signal). SIGTERM / SIGHUP / SIGINT are ignored (Slurm signals every process
+  of the step; the workers decide when hosts stop). The server side is `host_forker_server`.
 - Fork: a request carries the host's end of its pipe to the worker, a status pipe and the
   worker's stderr; the forker forks the host with them, answers its pid, and writes its exit
   code to the status pipe when it reaps it. `ForkedHost` is the worker's handle: pid, exit
@@ -28,7 +35,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import pickle
+import pwd
+import secrets
 import selectors
 import signal
 import socket
@@ -36,25 +44,54 @@ import struct
 import subprocess
 import sys
 import time
-from typing import Any
+from dataclasses import dataclass
+
+from pivotrl_hpc.runtime.wire import Codec, peer
 
 log = logging.getLogger(__name__)
 
 ADDRESS_ENV = "PIVOTRL_HOST_FORKER"
-_PID = struct.Struct("q")
-_LEN = struct.Struct("I")
+PID = struct.Struct("q")
+REQUEST_LEN = struct.Struct("I")
+MAX_REQUEST = 1 << 20      # a fork request (the host's environment) is far smaller
 SESSION, FORK = b"S", b"F"
 CONNECT_TIMEOUT_S = 30.0   # another worker bound the address and is starting the forker
-ORPHAN_S = 120.0           # a forker no session ever reached leaves after this
+ORPHAN_S = 120.0           # a forker no session ever reached, its starter alive, leaves
 UNKNOWN_EXIT = 255         # the forker died before it could report a host's exit
+_PRIVATE_TOKEN = secrets.token_hex(8)
 
 
-def node_address(job: str, node: str) -> str:
-    return f"pivotrl-{job}-{node}-hosts"
+@dataclass(frozen=True)
+class ForkRequest:
+    """Fork an engine host: `engine_host_child.run(conn, worker_pid, name, env)`."""
+    worker_pid: int
+    name: str
+    env: dict[str, str]
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.worker_pid, int) and isinstance(self.name, str)
+                and isinstance(self.env, dict)
+                and all(isinstance(k, str) and isinstance(v, str)
+                        for k, v in self.env.items())):
+            raise ValueError("a fork request is (int pid, str name, dict of str to str)")
+
+
+FORKER_WIRE = Codec(ForkRequest)
+
+
+class ForkerRefused(RuntimeError):
+    """The forker's address is held by a process this worker does not trust."""
+
+
+def node_address(job: str, node: str, token: str) -> str:
+    """The node's forker of a job: the uid (two users' jobs of one name never meet) and
+    the job's random token (another account cannot bind it first: it cannot guess it)."""
+    return f"pivotrl-u{os.geteuid()}-{job}-{node}-{token}-hosts"
 
 
 def address() -> str:
-    return os.environ.get(ADDRESS_ENV) or f"pivotrl-pid{os.getpid()}-hosts"
+    return (os.environ.get(ADDRESS_ENV)
+            or f"pivotrl-u{os.geteuid()}-pid{os.getpid()}-{_PRIVATE_TOKEN}-hosts")
 
 
 def _abstract(name: str) -> str:
@@ -72,21 +109,25 @@ class _Session:
 
 def ensure_running() -> None:
     """Open this process's session with the forker of `address()`, starting it if no one
-    has; returns at once (the forker may still be importing)."""
+    has; returns at once (the forker may still be importing). `ForkerRefused` if another
+    account holds the address."""
     name = address()
     if _Session.sock is not None and _Session.name == name:
         return
     leave()
     deadline = time.monotonic() + CONNECT_TIMEOUT_S
+    started = False
     while True:
         try:
-            sock = _connect(name)
+            sock = _connect(name, os.getpid() if started else None)
             break
         except ConnectionRefusedError:
-            if not _start(name) and time.monotonic() > deadline:
+            started = _start(name)
+            if not started and time.monotonic() > deadline:
                 raise RuntimeError(f"no engine host forker at {name!r} after "
-                                   f"{CONNECT_TIMEOUT_S:.0f} s") from None
-            time.sleep(0.05)
+                                   f"{CONNECT_TIMEOUT_S:.0f} s (the name is bound but "
+                                   "nobody listens: another process may hold it)") from None
+            time.sleep(0 if started else 0.05)
     sock.sendall(SESSION)
     _Session.sock, _Session.name, _Session.pid = sock, name, None
 
@@ -95,7 +136,7 @@ def server_pid() -> int:
     """The forker's pid (waits until it has imported vLLM and answered)."""
     ensure_running()
     if _Session.pid is None:
-        _Session.pid = _PID.unpack(_recv_exact(_Session.sock, _PID.size))[0]
+        _Session.pid = PID.unpack(recv_exact(_Session.sock, PID.size))[0]
     return _Session.pid
 
 
@@ -109,14 +150,37 @@ def leave() -> None:
         _Session.child = None   # reaped
 
 
-def _connect(name: str) -> socket.socket:
+def _connect(name: str, binder: int | None = None) -> socket.socket:
+    """A connection to the forker of `name`, once the kernel says who listens there: this
+    account (and `binder`, the process that bound it, when this one did)."""
     sock = socket.socket(socket.AF_UNIX)
     try:
         sock.connect(_abstract(name))
-    except OSError:
+        _check_forker(sock, name, binder)
+    except BaseException:
         sock.close()
         raise
     return sock
+
+
+def _check_forker(sock: socket.socket, name: str, binder: int | None) -> None:
+    holder = peer(sock.fileno())   # the process that called listen() on the name
+    if holder.uid != os.geteuid():
+        raise ForkerRefused(
+            f"the engine host forker's address {name!r} is held by another account: "
+            f"{_user(holder.uid)} (uid {holder.uid}), pid {holder.pid}; this worker runs as "
+            f"{_user(os.geteuid())} and sends it nothing (its environment, pipes and "
+            "files stay here). Ask an administrator to stop that process.")
+    if binder is not None and holder.pid != binder:
+        raise ForkerRefused(f"the engine host forker's address {name!r} is held by pid "
+                            f"{holder.pid}, not by this process ({binder}) that bound it")
+
+
+def _user(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return f"uid {uid}"
 
 
 def _start(name: str) -> bool:
@@ -132,8 +196,11 @@ def _start(name: str) -> bool:
     with listener:
         listener.listen(64)
         env = {k: v for k, v in os.environ.items() if world_free(k)}
+        # the starting thread's end kills it while it imports (PR_SET_PDEATHSIG): the
+        # callers start it from the worker's main thread
         _Session.child = subprocess.Popen(
-            [sys.executable, "-m", __name__, str(listener.fileno())],
+            [sys.executable, "-m", "pivotrl_hpc.runtime.host_forker_server",
+             str(listener.fileno()), str(os.getpid())],
             pass_fds=[listener.fileno()], env=env, stdin=subprocess.DEVNULL)
     from pivotrl_hpc.launch import cgroup
 
@@ -149,10 +216,10 @@ def fork_host(worker_pid: int, name: str, env: dict[str, str], conn_fd: int) -> 
     status_r, status_w = os.pipe()
     try:
         with _connect(_Session.name) as sock:
-            payload = pickle.dumps((worker_pid, name, env))
-            socket.send_fds(sock, [FORK + _LEN.pack(len(payload)) + payload],
+            payload = FORKER_WIRE.encode(ForkRequest(worker_pid, name, env))
+            socket.send_fds(sock, [FORK + REQUEST_LEN.pack(len(payload)) + payload],
                             [conn_fd, status_w, sys.stderr.fileno()])
-            pid = _PID.unpack(_recv_exact(sock, _PID.size))[0]
+            pid = PID.unpack(recv_exact(sock, PID.size))[0]
     except BaseException:
         os.close(status_r)
         raise
@@ -165,7 +232,7 @@ def fork_host(worker_pid: int, name: str, env: dict[str, str], conn_fd: int) -> 
     return host
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def recv_exact(sock: socket.socket, n: int) -> bytes:
     data = b""
     while len(data) < n:
         chunk = sock.recv(n - len(data))
@@ -209,17 +276,17 @@ class ForkedHost:
         if self._exitcode is not None:
             return
         if self._status is not None:
-            if not _readable(self._status, timeout):
+            if not readable(self._status, timeout):
                 return
-            data = os.read(self._status, _PID.size)
+            data = os.read(self._status, PID.size)
             os.close(self._status)
             self._status = None
-            if len(data) == _PID.size:
-                self._exitcode = _PID.unpack(data)[0]
+            if len(data) == PID.size:
+                self._exitcode = PID.unpack(data)[0]
                 self._close()
                 return
             log.warning("engine host forker gone before host %d ended", self.pid)
-        if self._pidfd is None or _readable(self._pidfd, timeout):
+        if self._pidfd is None or readable(self._pidfd, timeout):
             self._exitcode = UNKNOWN_EXIT
             self._close()
 
@@ -235,113 +302,7 @@ class ForkedHost:
             self._close()             # the forker died before the host
 
 
-def _readable(fd: int, timeout: float | None = 0.0) -> bool:
+def readable(fd: int, timeout: float | None = 0.0) -> bool:
     with selectors.DefaultSelector() as sel:
         sel.register(fd, selectors.EVENT_READ)
         return bool(sel.select(timeout))
-
-
-# ---------------------------------------------------------------------------------- server
-def serve(listener: socket.socket) -> None:
-    """The forker's life: import vLLM, then fork hosts until no session and no host is left."""
-    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
-        signal.signal(sig, signal.SIG_IGN)
-    from pivotrl_hpc.runtime.engine_host_child import preload
-
-    try:
-        log.info("preloaded in %.2f s", preload())
-    except Exception as e:  # noqa: BLE001 - the forker must come up; hosts import again
-        log.warning("preload failed (each host imports vLLM itself): %s", e)
-    sel = selectors.DefaultSelector()
-    sel.register(listener, selectors.EVENT_READ)
-    sessions: set[socket.socket] = set()
-    children: dict[int, int] = {}   # host pid -> its status pipe
-    seen, t0 = False, time.monotonic()
-    while True:
-        for key, _ in sel.select(0.1):
-            if key.fileobj is listener:
-                seen |= _accept(listener, sel, sessions, children)
-            else:   # a session's only traffic is its end
-                sel.unregister(key.fileobj)
-                sessions.discard(key.fileobj)
-                key.fileobj.close()
-        _reap(children)
-        if not sessions and not children and (seen or time.monotonic() - t0 > ORPHAN_S):
-            return
-
-
-def _accept(listener, sel, sessions, children) -> bool:
-    """One connection: a session (True) or a fork request."""
-    conn, _ = listener.accept()
-    conn.settimeout(10.0)
-    try:
-        msg, fds, _, _ = socket.recv_fds(conn, 1 << 16, 3)
-        if msg[:1] == SESSION:
-            conn.sendall(_PID.pack(os.getpid()))
-            conn.settimeout(None)
-            sessions.add(conn)
-            sel.register(conn, selectors.EVENT_READ)
-            return True
-        size = _LEN.unpack(msg[1:1 + _LEN.size])[0]
-        payload = msg[1 + _LEN.size:]
-        payload += _recv_exact(conn, size - len(payload))
-        pid = _fork(pickle.loads(payload), fds, (listener, conn, *sessions, sel), children)
-        children[pid] = fds[1]
-        os.close(fds[0])
-        os.close(fds[2])
-        conn.sendall(_PID.pack(pid))
-    except (OSError, ValueError, pickle.PickleError, struct.error) as e:
-        log.warning("bad request to the engine host forker: %s", e)
-    finally:
-        if conn not in sessions:
-            conn.close()
-    return False
-
-
-def _fork(request: tuple, fds: list[int], mine: tuple, children: dict[int, int]) -> int:
-    conn_fd, status_w, stderr_fd = fds
-    pid = os.fork()
-    if pid:
-        return pid
-    try:   # the host: none of the forker's files, the worker's stderr, default signals
-        for obj in mine:
-            obj.close()
-        for fd in (*children.values(), status_w):
-            os.close(fd)
-        os.dup2(stderr_fd, 2)
-        os.close(stderr_fd)
-        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
-            signal.signal(sig, signal.SIG_DFL)
-        from multiprocessing.connection import Connection
-
-        from pivotrl_hpc.runtime import engine_host_child
-
-        engine_host_child.run(Connection(conn_fd), *request)
-    finally:
-        os._exit(1)
-
-
-def _reap(children: dict[int, int]) -> None:
-    while children:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if not pid:
-            return
-        fd = children.pop(pid, None)
-        if fd is not None:
-            with contextlib.suppress(OSError):
-                os.write(fd, _PID.pack(os.waitstatus_to_exitcode(status)))
-            os.close(fd)
-
-
-def main(argv: list[str]) -> None:
-    os.dup2(2, 1)   # vLLM logs to stdout; a worker's stdout is data
-    logging.basicConfig(level=logging.WARNING, force=True,
-                        format="%(asctime)s [engine host forker] %(levelname)s: %(message)s")
-    serve(socket.socket(fileno=int(argv[0])))
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])
