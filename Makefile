@@ -12,10 +12,10 @@ export UCX_MODULES := ^ib,rdmacm
 setup:
 	@scripts/setup.sh
 
-$(MODELS)/policy/config.json: | setup
+$(MODELS)/data/train.parquet: | setup
 	$(VENV)/bin/pivotrl init-models $(MODELS) > /dev/null
 
-models: setup $(MODELS)/policy/config.json
+models: setup $(MODELS)/data/train.parquet
 
 cluster-up: setup
 	@slurm/local/cluster.sh start

@@ -21,8 +21,8 @@ def shm_entries() -> set[Path]:
 
 def model_overrides(models: Path) -> list[str]:
     return [f"models.policy.path={models / 'policy'}", f"models.genrm.path={models / 'genrm'}",
-            f"data.train={models / 'data' / 'train.jsonl'}",
-            f"data.validation={models / 'data' / 'validation.jsonl'}"]
+            f"data.train={models / 'data' / 'train.parquet'}",
+            f"data.validation={models / 'data' / 'aime-style.parquet'}"]
 
 
 def run_job(config: str, models: Path, trace: Path, overrides: list[str],

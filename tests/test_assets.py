@@ -5,8 +5,9 @@ import json
 import subprocess
 import sys
 
-from pivotrl_hpc.assets.dataset import extract_answer, make_split, prompt_text, read_jsonl
-from pivotrl_hpc.assets.tokenizer import UNK_ID, vocabulary
+from pivotrl_hpc.assets.dataset import TINY_SUFFIX, make_split
+from pivotrl_hpc.assets.tokenizer import EOS_ID, PAD_ID, THINK_ID, build_tokenizer
+from pivotrl_hpc.task.data import DataKeys, read_records
 
 
 def test_models_differ_and_load(tiny_models):
@@ -21,8 +22,11 @@ def test_models_differ_and_load(tiny_models):
     assert pol.config.num_key_value_heads == 4 and pol.config.num_attention_heads == 8
     assert abs(pol.model.layers[0].self_attn.q_proj.bias).sum() > 0  # random biases
     tok = AutoTokenizer.from_pretrained(tiny_models / "policy")
-    ids = tok(prompt_text("what is 12 + 7 ?"))["input_ids"]
-    assert UNK_ID not in ids
+    ids = tok.apply_chat_template([{"role": "user", "content": "What is 12 + 7?"}],
+                                  tokenize=False, add_generation_prompt=True)
+    ids = tok(ids, add_special_tokens=False)["input_ids"]
+    assert pol.config.eos_token_id == tok.eos_token_id == EOS_ID
+    assert pol.config.pad_token_id == tok.pad_token_id == PAD_ID
     with torch.no_grad():
         logits = pol(torch.tensor([ids])).logits
     assert logits.shape == (1, len(ids), 512) and torch.isfinite(logits).all()
@@ -40,23 +44,30 @@ def test_model_creation_is_deterministic(tiny_models, tmp_path):
 
 
 def test_dataset_deterministic_and_verifiable(tiny_models):
-    train = read_jsonl(tiny_models / "data" / "train.jsonl")
-    assert len(train) == 64 and train == make_split(0, 64)
-    assert train != make_split(1, 64)
+    train = read_records(tiny_models / "data" / "train.parquet", "auto", DataKeys())
+    assert len(train) == 64 and [r.answer for r in train] == [
+        r["answer"] for r in make_split(0, 64)]
     for rec in train:
-        a, op, b = rec["problem"].split()[2:5]
-        assert str(eval(f"{a}{op}{b}")) == rec["answer"]  # noqa: S307 - our own digits
+        a, op, b = rec.extra_info["raw_problem"].removesuffix("?").split()[2:5]
+        assert str(eval(f"{a}{op}{b}")) == rec.answer  # noqa: S307 - our own digits
+        assert rec.problem.endswith(TINY_SUFFIX)
 
 
-def test_tokenizer_round_trip_and_answer_extraction(tiny_models):
+def test_tokenizer_is_byte_level_bpe_with_a_chat_template_and_deterministic(tiny_models):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_models / "policy")
-    text = "so the answer is -123"
-    decoded = tok.decode(tok(text)["input_ids"])
-    assert extract_answer(decoded) == "-123"
-    assert extract_answer("no digits") is None
-    assert len(vocabulary(512)) == 512
+    assert tok.get_vocab() == build_tokenizer().get_vocab() and len(tok) <= 512
+    text = "So the answer is -123.\nAnswer: -123 ünïcode ✓"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert tok.decode(ids) == text                       # bytes: nothing becomes <unk>
+    assert sum(tok.decode([i]).isdigit() for i in ids) == 6   # one token per digit
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                   add_generation_prompt=True, enable_thinking=False)
+    assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    think = tok("<think>x</think>", add_special_tokens=False)["input_ids"]
+    assert think[0] == THINK_ID and tok.decode(think, skip_special_tokens=True) == \
+        "<think>x</think>"
 
 
 def test_init_models_cli(tmp_path):
@@ -66,4 +77,5 @@ def test_init_models_cli(tmp_path):
     summary = json.loads(out.stdout)
     assert summary["policy"]["parameters"] == 1_444_096
     assert (tmp_path / "genrm" / "tokenizer.json").is_file()
-    assert len(read_jsonl(tmp_path / "data" / "validation.jsonl")) == 2
+    val = read_records(tmp_path / "data" / "aime-style.parquet", "auto", DataKeys())
+    assert len(val) == 2 and summary["data"]["train"].endswith("train.parquet")

@@ -231,8 +231,8 @@ def test_bench_e2e_searches_each_paradigms_allocation_and_computes_speedups(tiny
 
     overrides = [f"models.policy.path={tiny_models / 'policy'}",
                  f"models.genrm.path={tiny_models / 'genrm'}",
-                 f"data.train={tiny_models / 'data' / 'train.jsonl'}",
-                 f"data.validation={tiny_models / 'data' / 'validation.jsonl'}"]
+                 f"data.train={tiny_models / 'data' / 'train.parquet'}",
+                 f"data.validation={tiny_models / 'data' / 'aime-style.parquet'}"]
     args = argparse.Namespace(config="configs/tiny-cpu.yaml", overrides=overrides,
                               no_search=False, steps=3, repeats=1)
     # widths 2 and 4 (8 leaves no room for a GenRM replica); reward replicas of 2 devices

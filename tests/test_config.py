@@ -19,8 +19,8 @@ def tiny_config(tiny_models, tmp_path) -> Path:
     data = yaml.safe_load(TINY.read_text())
     data["models"]["policy"]["path"] = str(tiny_models / "policy")
     data["models"]["genrm"]["path"] = str(tiny_models / "genrm")
-    data["data"] = {"train": str(tiny_models / "data/train.jsonl"),
-                    "validation": str(tiny_models / "data/validation.jsonl")}
+    data["data"] = {"train": str(tiny_models / "data/train.parquet"),
+                    "validation": str(tiny_models / "data/aime-style.parquet")}
     path = tmp_path / "tiny.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
@@ -129,7 +129,9 @@ def test_a_paper_group_without_its_folders_names_each_folder_to_provide(name, ge
     assert e.key == "models.policy.path"
     msg = str(e)
     assert "Qwen2ForCausalLM HuggingFace folder" in msg and f"{genrm} HuggingFace" in msg
-    assert msg.count("provide the") == 2 and "simulate` needs none" in msg
+    assert msg.count("provide the") == 4 and "simulate` needs none" in msg
+    assert "data.train /data/dapo-math-17k.parquet does not exist" in msg
+    assert "data.validation /data/aime-2024.parquet does not exist" in msg
     cfg = load_config(ROOT / "configs" / name, check_files=False)   # the simulator's check
     assert (cfg.models.policy.architecture, cfg.models.genrm.architecture) == (
         "Qwen2ForCausalLM", genrm)

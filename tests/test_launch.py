@@ -77,8 +77,8 @@ def _cfg(tiny_models: Path, tmp_path: Path, **cluster) -> Path:
                    "genrm": {"path": str(m / "genrm"), "max_prompt_len": 80,
                              "max_response_len": 16}},
         "roles": {"train_devices": 4, "train_tensor_parallel": 2},
-        "data": {"train": str(m / "data" / "train.jsonl"),
-                 "validation": str(m / "data" / "validation.jsonl")},
+        "data": {"train": str(m / "data" / "train.parquet"),
+                 "validation": str(m / "data" / "aime-style.parquet")},
         "trace": {"path": str(tmp_path / "out" / "job.h5")},
     }
     path = tmp_path / "job.yaml"

@@ -208,36 +208,31 @@ def test_add_and_abort_validate(engines):
     assert aborted.seq_id == "dup" and eng.num_running == 0
 
 
-def test_genrm_judge_prompt_and_score(engines, models):
-    from pivotrl_hpc.assets.tokenizer import BOS_ID, UNK_ID
-    from pivotrl_hpc.engines.vllm.genrm import GenRMScore, JudgePrompter, judge, total_reward
+def test_genrm_judges_the_task_s_chat_templated_prompt(engines, tiny_models):
+    """The task layer's judge prompt (the tiny template through the GenRM's chat template)
+    runs on the GenRM engine; the score is the parse of what greedy decoding generated."""
+    from live_util import ROOT, model_overrides
 
-    prompter = JudgePrompter.from_model_dir(models["genrm"])
-    vocab = prompter.tokenizer.get_vocab()
-    ids = prompter.prompt_ids("what is 12 + 7 ?", "so the answer is 19")
-    assert ids[0] == BOS_ID and UNK_ID not in ids
-    assert ids[-1] == vocab[":"] and ids.count(vocab["9"]) == 1  # digits one per token
-    # The mapping: the first verdict token decides; fillers are skipped.
-    w = vocab["w100"]
-    assert prompter.parse([w, vocab["yes"], vocab["no"]]) == GenRMScore(1.0, "yes", 1)
-    assert prompter.parse([vocab["wrong"], vocab["correct"]]) == GenRMScore(0.0, "wrong", 0)
-    assert prompter.parse([w, w, vocab["7"]]).score == pytest.approx(7 / 9)
-    assert prompter.parse([w, w]) == GenRMScore(0.0, None, None)
-    assert total_reward(1.0, GenRMScore(0.5, "4", 0)) == 1.5
+    from pivotrl_hpc.config import load_config
+    from pivotrl_hpc.task.judge import parse_judgement
+    from pivotrl_hpc.task.task import build_task
 
-    eng = engines["genrm"]
-    items = [("what is 12 + 7 ?", "19"), ("what is 3 * 4 ?", "so the answer is 13"),
-             ("what is 50 - 8 ?", "then 42")]
-    first, second = judge(eng, prompter, items), judge(eng, prompter, items)
-    assert first == second
-    assert all(0.0 <= s.score <= 1.0 for s in first)
-    # judge() scores exactly what greedy decoding of the judge prompt generates.
-    direct = generate(eng, [prompter.prompt_ids(*items[1])], 8, Sampling(temperature=0.0))[0]
-    assert first[1] == prompter.parse(direct.token_ids)
-    eng.add("busy", [5, 6], [], 4, GREEDY)
-    with pytest.raises(RuntimeError, match="idle engine"):
-        judge(eng, prompter, items)
-    eng.abort()
+    cfg = load_config(ROOT / "configs" / "tiny-cpu.yaml", model_overrides(tiny_models),
+                      check_files=False)
+    task, train, _ = build_task(cfg)
+    prompt = train[0]
+    response = task.policy.encode(f"So it is {prompt.answer}.\nAnswer: {prompt.answer}")
+    ids = task.judge_prompt(prompt, response)
+    assert task.genrm.tok.decode(ids).endswith("<|im_start|>assistant\n")
+    assert len(ids) <= cfg.models.genrm.max_prompt_len
+    eos = Sampling(temperature=0.0)
+    first = generate(engines["genrm"], [ids], 16, eos)[0]
+    again = generate(engines["genrm"], [ids], 16, eos)[0]
+    assert first.token_ids == again.token_ids
+    score = task.score(prompt, response, first.token_ids)
+    assert score.verifiable == 1.0     # DAPO: the right "Answer:" line
+    judged = parse_judgement(task.genrm.decode(first.token_ids), task.rule)
+    assert (score.genrm, score.parsed) == (judged.score, judged.parsed)
 
 
 def test_bench_migration_measures_abort_dispatch_and_re_prefill(engines):

@@ -1,23 +1,34 @@
-"""Synthetic arithmetic problems with verifiable answers, generated from a seed.
+"""The project's synthetic math set, generated from a seed, written in the formats real RL data
+comes in.
 
-Each record is {"id", "problem", "answer"}; the text uses only tokens of the local tokenizer,
-so prompts encode without <unk>.
+`write_dataset` writes a training set in the veRL/DAPO-Math-17k schema and a validation set in
+the schema of DAPO's AIME-2024 parquet (both: `data_source`, `prompt` = a list of chat
+messages, `ability`, `reward_model` = {`ground_truth`, `style`}, `extra_info`), so a CPU run
+reads the same columns as a job on DAPO-Math-17k and AIME24 (`pivotrl_hpc.task.data`). The
+user message asks for the answer after "Answer:" (a short form of DAPO's instruction), which
+the DAPO reward (`task.rewards`) checks.
 """
 from __future__ import annotations
 
-import json
-import logging
 import random
 from pathlib import Path
 
 OPS = ("+", "-", "*")
+# DAPO-Math-17k's prompt around each problem (its `prompt[0].content`).
+DAPO_PREFIX = ("Solve the following math problem step by step. The last line of your response "
+               "should be of the form Answer: $Answer (without quotes) where $Answer is the "
+               "answer to the problem.\n\n")
+DAPO_SUFFIX = "\n\nRemember to put your answer on its own line after \"Answer:\"."
+# The tiny set's shorter instruction of the same rule: prompts of ~25 tokens keep the CPU
+# runs' prefill (and the simulator's tests of them) at the size they were tuned for.
+TINY_SUFFIX = " Give the answer after \"Answer:\"."
 
 
 def make_problem(rng: random.Random, idx: int) -> dict:
     op = rng.choice(OPS)
     a, b = rng.randint(0, 99), rng.randint(0, 99 if op != "*" else 12)
     answer = {"+": a + b, "-": a - b, "*": a * b}[op]
-    return {"id": idx, "problem": f"what is {a} {op} {b} ?", "answer": str(answer)}
+    return {"id": idx, "problem": f"What is {a} {op} {b}?", "answer": str(answer)}
 
 
 def make_split(seed: int, n: int, start: int = 0) -> list[dict]:
@@ -25,78 +36,31 @@ def make_split(seed: int, n: int, start: int = 0) -> list[dict]:
     return [make_problem(rng, start + i) for i in range(n)]
 
 
+def dapo_row(rec: dict, source: str) -> dict:
+    """One row of the veRL/DAPO schema for a synthetic record."""
+    return {"data_source": source,
+            "prompt": [{"role": "user", "content": rec["problem"] + TINY_SUFFIX}],
+            "ability": "MATH",
+            "reward_model": {"ground_truth": rec["answer"], "style": "rule-lighteval/MATH_v2"},
+            "extra_info": {"index": str(rec["id"]), "raw_problem": rec["problem"]}}
+
+
+SPLITS = {"train": ("train.parquet", "math_dapo"), "validation": ("aime-style.parquet", "aime24")}
+
+
 def write_dataset(out: Path, seed: int = 0, train: int = 512, validation: int = 64) -> dict:
-    """Write train.jsonl and validation.jsonl under `out`; return their paths."""
+    """Write the DAPO-schema train set and the AIME-schema validation set (parquet) under
+    `out`; return their paths by split."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     out.mkdir(parents=True, exist_ok=True)
     paths = {}
     for split, n, s, start in (("train", train, seed, 0),
                                ("validation", validation, seed + 10_007, train)):
-        path = out / f"{split}.jsonl"
-        with path.open("w") as f:
-            for rec in make_split(s, n, start):
-                f.write(json.dumps(rec) + "\n")
+        name, source = SPLITS[split]
+        rows = [dapo_row(rec, source) for rec in make_split(s, n, start)]
+        path = out / name
+        pq.write_table(pa.Table.from_pylist(rows), path)
         paths[split] = path
     return paths
-
-
-class DatasetError(ValueError):
-    """A dataset line that is not a record of the task: names the file and the line."""
-
-
-FIELDS = {"id": int, "problem": str, "answer": str}
-
-
-def read_jsonl(path: Path, on_bad_line: str = "error") -> list[dict]:
-    """The records of a JSONL dataset (blank lines ignored). A malformed line (not JSON, not
-    an object, a field missing or of the wrong type, a repeated id) raises DatasetError
-    naming file and line, or with `on_bad_line="skip"` is skipped and logged with the count."""
-    records, bad, seen = [], [], set()
-    with Path(path).open(encoding="utf-8", errors="replace") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = _record(line, seen)
-            except DatasetError as e:
-                if on_bad_line != "skip":
-                    raise DatasetError(f"{path}:{n}: {e} (data.on_bad_line=skip skips such "
-                                       "lines)") from None
-                bad.append(n)
-                continue
-            seen.add(rec["id"])
-            records.append(rec)
-    if bad:
-        logging.getLogger(__name__).warning("%s: skipped %d malformed line(s) (first: line %d)",
-                                            path, len(bad), bad[0])
-    return records
-
-
-def _record(line: str, seen: set) -> dict:
-    try:
-        rec = json.loads(line)
-    except ValueError as e:
-        raise DatasetError(f"not JSON ({e})") from None
-    if not isinstance(rec, dict):
-        raise DatasetError(f"a {type(rec).__name__}, not a JSON object")
-    for key, tp in FIELDS.items():
-        if key not in rec:
-            raise DatasetError(f"no {key!r} field")
-        if not isinstance(rec[key], tp) or isinstance(rec[key], bool):
-            raise DatasetError(f"{key!r} is {type(rec[key]).__name__}, not {tp.__name__}")
-    if rec["id"] in seen:
-        raise DatasetError(f"id {rec['id']} repeats an earlier line")
-    return rec
-
-
-def prompt_text(problem: str) -> str:
-    return f"problem : {problem} solution :"
-
-
-def extract_answer(text: str) -> str | None:
-    """The last integer in the decoded text (tokens may be space-separated digits)."""
-    import re
-
-    compact = re.sub(r"(?<=\d) (?=\d)", "", text)
-    compact = re.sub(r"- (?=\d)", "-", compact)
-    found = re.findall(r"-?\d+", compact)
-    return found[-1] if found else None

@@ -16,7 +16,9 @@ import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from pivotrl_hpc.assets.tokenizer import BOS_ID, EOS_ID, PAD_ID, build_tokenizer
+from pivotrl_hpc.assets.tokenizer import EOS_ID, PAD_ID, build_tokenizer
+
+BOS_ID = PAD_ID   # as Qwen's configs: <|endoftext|>; the chat template adds no BOS
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +113,11 @@ def create_model(out: Path, spec: TinySpec, arch: str = "qwen2") -> int:
                 p.add_(torch.randn_like(p) * 0.1)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
-    build_tokenizer(spec.vocab_size).save_pretrained(out)
+    tokenizer = build_tokenizer()
+    if len(tokenizer) > spec.vocab_size:
+        raise ValueError(f"the tokenizer's {len(tokenizer)} tokens exceed vocab_size "
+                         f"{spec.vocab_size}")
+    tokenizer.save_pretrained(out)
     n = sum(p.numel() for p in model.parameters())
     log.info("wrote %s: %d parameters", out, n)
     return n

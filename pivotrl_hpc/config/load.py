@@ -110,6 +110,12 @@ def resolve_paths(cfg: Config, base: Path) -> Config:
         m.path = fix(f"models.{name}.path", m.path)
     cfg.data.train = fix("data.train", cfg.data.train)
     cfg.data.validation = fix("data.validation", cfg.data.validation)
+    r = cfg.reward   # a template file or a compute_score file, not a family or module name
+    if "/" in r.genrm_template or r.genrm_template.endswith((".txt", ".jinja")):
+        r.genrm_template = fix("reward.genrm_template", r.genrm_template)
+    where, colon, name = r.verifiable.rpartition(":")
+    if colon and where.endswith(".py"):
+        r.verifiable = fix("reward.verifiable", where) + ":" + name
     cfg.trace.path = fix("trace.path", cfg.trace.path)
     cfg.paradigm.throughput_profile = fix("paradigm.throughput_profile",
                                           cfg.paradigm.throughput_profile)

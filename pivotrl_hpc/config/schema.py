@@ -174,11 +174,42 @@ class GPSConfig:
 
 @dataclass
 class DataConfig:
+    """RL prompts (pivotrl_hpc.task.data): veRL/DAPO-schema parquet (DAPO-Math-17k, AIME24),
+    JSONL with the same keys, or the project's synthetic set (no file)."""
     train: str = ""
-    validation: str = ""
-    # A malformed dataset line: "error" stops before the job starts (file and line named),
+    validation: str = ""          # evaluated every rl.eval_every steps ("" : none)
+    # auto: by the file's suffix (.parquet, .jsonl); synthetic: generated, no file
+    format: Literal["auto", "parquet", "jsonl", "synthetic"] = "auto"
+    prompt_key: str = "prompt"    # a column of chat messages (or a plain string)
+    answer_key: str = "reward_model.ground_truth"   # dotted path into the row
+    # model: each folder's own chat template (an error if it has none); none: the raw text
+    chat_template: Literal["model", "none"] = "model"
+    # a prompt longer than models.policy.max_prompt_len: filter (dropped, counted in the log
+    # and the summary, as veRL's filter_overlong_prompts) or reject (stop before the job)
+    overlong: Literal["filter", "reject"] = "filter"
+    synthetic_train: int = 512    # rows of the synthetic set (format: synthetic)
+    synthetic_validation: int = 64
+    # A malformed row: "error" stops before the job starts (file, row and key named),
     # "skip" leaves it out and logs how many were skipped.
     on_bad_line: Literal["error", "skip"] = "error"
+
+
+@dataclass
+class RewardConfig:
+    """R = R_verifiable + R_GenRM (paper §8.1; pivotrl_hpc.task.rewards, task.judge)."""
+    # dapo (DAPO's "Answer:" rule, +1/-1), math_verify, or the user's veRL compute_score as
+    # module:function or path/to/file.py:function
+    verifiable: str = "dapo"
+    # the judge prompt: a GenRM family (glm-z1, qwen3, qwen3.5, tiny) or a template file with
+    # {problem}, {response}, {ground_truth}
+    genrm_template: str = "tiny"
+    # how the score is read after the thinking: auto (the family's rule; boxed for a file),
+    # boxed (\boxed{x} x genrm_scale), yesno, or regex (genrm_regex's first group x scale)
+    genrm_parse: Literal["auto", "boxed", "yesno", "regex"] = "auto"
+    genrm_scale: float = 0.0      # 0: the family's (0.1 for a 0-10 boxed score)
+    genrm_regex: str = ""
+    genrm_default: float = 0.0    # the score of an unparseable or truncated judgement
+    genrm_thinking: bool = True   # enable_thinking, where the GenRM's chat template takes it
 
 
 @dataclass
@@ -200,6 +231,7 @@ class Config:
     throughput: ThroughputConfig = field(default_factory=ThroughputConfig)
     gps: GPSConfig = field(default_factory=GPSConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     trace: TraceConfig = field(default_factory=TraceConfig)
     # Where the job starts: "auto" (or true) continues from the run's newest whole checkpoint
     # if it has one, false starts afresh, a path names a checkpoint (or a run to take the

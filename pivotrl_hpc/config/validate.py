@@ -203,8 +203,12 @@ def _missing_folders(cfg: Config) -> None:
             what = f"{m.architecture} " if m.architecture else ""
             missing[f"models.{name}.path"] = (f"{m.path}: provide the {what}HuggingFace "
                                               f"folder there (config.json and *.safetensors)")
-    if missing:
-        raise ConfigError(next(iter(missing)), "model folder absent: " + "; ".join(
+    files = _task_files(cfg)
+    if missing or files:
+        what = "model folder absent" if not files else "files absent" if not missing else \
+            "model folders and files absent"
+        missing.update(files)
+        raise ConfigError(next(iter(missing)), f"{what}: " + "; ".join(
             f"{k} {v}" for k, v in missing.items()) + ". `pivotrl "
                           "simulate` needs none of them; `pivotrl init-models DIR` makes tiny "
                           "ones for a CPU run")
@@ -230,17 +234,62 @@ def _models_on_disk(cfg: Config) -> None:
                               f"max_prompt_len + max_response_len = {need} exceeds the model's "
                               f"context of {ctx} tokens")
     check_kv_capacity(cfg)
-    for split in ("train", "validation"):
-        path = getattr(cfg.data, split)
-        if path and not Path(path).is_file():
-            raise ConfigError(f"data.{split}", f"{path} does not exist")
-        if path:
-            from pivotrl_hpc.assets.dataset import DatasetError, read_jsonl
-            try:
-                if not read_jsonl(Path(path), cfg.data.on_bad_line):
-                    raise DatasetError(f"{path} holds no records")
-            except (DatasetError, OSError) as e:
-                raise ConfigError(f"data.{split}", str(e)) from None
+    _task(cfg)
+
+
+def _task(cfg: Config) -> None:
+    """Build the RL task as the controller will (pivotrl_hpc.task): every data row, chat
+    template, compute_score (called once) and judge template, before any worker starts."""
+    from pivotrl_hpc.task.errors import TaskError
+    from pivotrl_hpc.task.task import build_task
+
+    try:
+        build_task(cfg)
+    except TaskError as e:
+        raise ConfigError(e.key, str(e)) from None
+
+
+def _task_settings(cfg: Config) -> None:
+    """The data and reward keys, checked without their files."""
+    d, r = cfg.data, cfg.reward
+    for key in ("prompt_key", "answer_key"):
+        value = getattr(d, key)
+        if not value or any(not part for part in value.split(".")):
+            raise ConfigError(f"data.{key}", f"{value!r} must be a column name or a dotted "
+                                             "path such as reward_model.ground_truth")
+    for key in ("synthetic_train", "synthetic_validation"):
+        if getattr(d, key) <= 0:
+            raise ConfigError(f"data.{key}", f"{getattr(d, key)!r} must be > 0")
+    if r.genrm_scale < 0:
+        raise ConfigError("reward.genrm_scale", f"{r.genrm_scale!r} must be >= 0 (0: the "
+                                                "template family's)")
+    if not 0.0 <= r.genrm_default <= 1.0:
+        raise ConfigError("reward.genrm_default", f"{r.genrm_default!r} must lie in [0, 1], "
+                                                  "the GenRM score's range")
+    if r.genrm_parse == "regex" and not r.genrm_regex:
+        raise ConfigError("reward.genrm_regex", "is empty; genrm_parse: regex needs a pattern "
+                                                "whose first group is the score")
+
+
+def _task_files(cfg: Config) -> dict[str, str]:
+    """The task's files that are absent: key -> what to put there."""
+    missing = {}
+    if cfg.data.format != "synthetic":
+        for split, what in (("train", "the training prompts (DAPO-Math-17k)"),
+                            ("validation", "the validation prompts (AIME24)")):
+            path = getattr(cfg.data, split)
+            if path and not Path(path).is_file():
+                missing[f"data.{split}"] = (f"{path} does not exist: provide {what} there "
+                                            "(veRL-schema parquet)")
+    from pivotrl_hpc.task.judge import FAMILIES
+    if cfg.reward.genrm_template not in FAMILIES and not Path(cfg.reward.genrm_template).is_file():
+        missing["reward.genrm_template"] = (f"{cfg.reward.genrm_template} does not exist: "
+                                            "provide the judge template there, or name a family "
+                                            f"({', '.join(FAMILIES)})")
+    where = cfg.reward.verifiable.rsplit(":", 1)[0]
+    if where.endswith(".py") and not Path(where).is_file():
+        missing["reward.verifiable"] = f"{where} does not exist: provide the compute_score file"
+    return missing
 
 
 def validate(cfg: Config, check_files: bool = True) -> None:
@@ -249,6 +298,7 @@ def validate(cfg: Config, check_files: bool = True) -> None:
     _training(cfg)
     _checkpoints(cfg, check_files)
     _architectures(cfg)
+    _task_settings(cfg)
     if check_files:
         _models_on_disk(cfg)
 

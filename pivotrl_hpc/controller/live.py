@@ -27,9 +27,9 @@ from pivotrl_hpc.controller.mpi_handle import MPIInbox, MPIWorkerHandle
 from pivotrl_hpc.controller.policy import TauTracker, initial_tau, make_paradigm_policy
 from pivotrl_hpc.controller.report import format_summary
 from pivotrl_hpc.controller.rl import Lengths, RLBook
-from pivotrl_hpc.controller.task import ArithmeticTask
 from pivotrl_hpc.plan.types import ReplicaSpec, ShiftPlan
 from pivotrl_hpc.runtime.messages import Shutdown
+from pivotrl_hpc.task.task import build_task
 from pivotrl_hpc.gps.shapes import kv_tokens
 from pivotrl_hpc.sched.model import ThroughputModel
 
@@ -101,11 +101,7 @@ def build_controller(cfg: Config, devices: Devices, clock, trace,
                      decider=None) -> Controller:
     """The job's controller over `devices` (MPI handles live, modeled ones in sim.run);
     `decider` None decides inline (virtual time), a ThreadDecider beside the loop."""
-    task = ArithmeticTask(cfg.models.policy.path, cfg.models.genrm.path,
-                          cfg.models.policy.max_prompt_len, cfg.models.genrm.max_prompt_len)
-    prompts = task.load(cfg.data.train, on_bad_line=cfg.data.on_bad_line)
-    validation = task.load(cfg.data.validation, cfg.rl.eval_prompts, cfg.data.on_bad_line) if (
-        cfg.data.validation and cfg.rl.eval_every) else []
+    task, prompts, validation = build_task(cfg)
     book = RLBook(prompts, steps=cfg.rl.steps, batch_size=cfg.rl.batch_size,
                   group_size=cfg.rl.group_size, staleness=cfg.rl.staleness,
                   lengths=lengths(cfg), temperature=cfg.rl.temperature, seed=cfg.rl.seed,

@@ -16,26 +16,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
 from pivotrl_hpc.engines.vllm.types import Sampling
-
-
-@dataclass(frozen=True)
-class PromptData:
-    pid: int
-    prompt_ids: tuple[int, ...]
-    problem: str
-    answer: str
-
-
-@dataclass(frozen=True)
-class Score:
-    verifiable: float   # 1 if the response's answer is right
-    genrm: float        # the GenRM's score in [0, 1]
-    parsed: bool        # False: the judgement had no verdict (defined score 0, counted)
-
-    @property
-    def reward(self) -> float:
-        """R = R_verifiable + R_GenRM (§8.1), halved to keep the 0-1 scale."""
-        return 0.5 * (self.verifiable + self.genrm)
+from pivotrl_hpc.task.types import PromptData, Score  # noqa: F401 - the loop's vocabulary
 
 
 class Task(Protocol):

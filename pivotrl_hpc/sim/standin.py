@@ -31,12 +31,12 @@ def stand_in(cfg: Config, workdir: Path) -> tuple[Config, list[str]]:
         if note:
             notes.append(note)
     data = cfg.data
-    if not (data.train and Path(data.train).is_file()):
-        paths = _dataset(workdir / "data")
+    if data.format == "synthetic":
+        pass
+    elif not (data.train and Path(data.train).is_file()):
         notes.append(f"data.train {data.train or '(none)'} absent: the synthetic arithmetic "
                      "dataset")
-        data = dataclasses.replace(data, train=str(paths["train"]),
-                                   validation=str(paths["validation"]))
+        data = dataclasses.replace(data, format="synthetic", train="", validation="")
     elif data.validation and not Path(data.validation).is_file():
         notes.append(f"data.validation {data.validation} absent: no validation")
         data = dataclasses.replace(data, validation="")
@@ -65,15 +65,6 @@ def _model_folder(name: str, path: str, workdir: Path) -> tuple[str, str | None]
     return str(folder), f"models.{name}.path {path} absent: the {card} model card"
 
 
-def _dataset(folder: Path) -> dict[str, Path]:
-    from pivotrl_hpc.assets.dataset import write_dataset
-    paths = {split: folder / f"{split}.jsonl" for split in ("train", "validation")}
-    if all(p.is_file() for p in paths.values()):
-        return paths
-    return write_dataset(folder)
-
-
 def _tokenizer(folder: Path) -> None:
-    from pivotrl_hpc.assets.models import TinySpec
     from pivotrl_hpc.assets.tokenizer import build_tokenizer
-    build_tokenizer(TinySpec().vocab_size).save_pretrained(folder)
+    build_tokenizer().save_pretrained(folder)

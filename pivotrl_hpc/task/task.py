@@ -1,0 +1,193 @@
+"""The RL task the controller runs: prompts from the configured data, rendered by the policy's
+chat template; R = R_verifiable + R_GenRM (paper §8.1) from the configured compute_score and
+the GenRM's parsed judgement. Token ids in, token ids and scores out (the controller's `Task`).
+
+Everything that can be wrong with the task (a data file, a key path, a chat template, a
+compute_score, a judge template that does not fit) raises TaskError when the task is built, and
+`config.validate` builds it before any worker starts.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+
+from pivotrl_hpc.config.schema import Config
+from pivotrl_hpc.task import data as D
+from pivotrl_hpc.task.errors import TaskError
+from pivotrl_hpc.task.judge import FAMILIES, ParseRule, check_rule, fill, parse_judgement, \
+    template_text
+from pivotrl_hpc.task.prompts import ChatRenderer
+from pivotrl_hpc.task.rewards import load_scorer
+from pivotrl_hpc.task.types import PromptData, Score
+
+log = logging.getLogger(__name__)
+
+VALIDATION_PID = -1   # validation prompt of row r: pid -1 - r (never a training row's)
+
+
+def parse_rule(cfg: Config) -> ParseRule:
+    r = cfg.reward
+    family = FAMILIES.get(r.genrm_template)
+    base = family.rule if family else ParseRule("boxed", 0.1)
+    rule = ParseRule(base.kind if r.genrm_parse == "auto" else r.genrm_parse,
+                     r.genrm_scale or base.scale, r.genrm_regex, r.genrm_default)
+    check_rule(rule)
+    return rule
+
+
+class RLTask:
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.policy = ChatRenderer(cfg.models.policy.path, cfg.data.chat_template,
+                                   key="models.policy.path")
+        self.genrm = ChatRenderer(cfg.models.genrm.path, cfg.data.chat_template,
+                                  cfg.reward.genrm_thinking, key="models.genrm.path")
+        self.template = template_text(cfg.reward.genrm_template)
+        self.rule = parse_rule(cfg)
+        self.records: dict[int, D.Record] = {}
+        self.filtered: dict[str, int] = {}      # split -> overlong prompts dropped
+        self.opens_thinking = self.genrm.text(
+            [{"role": "user", "content": "x"}]).rstrip().endswith("<think>")
+        self.judge_overhead = len(self.genrm.ids([{"role": "user", "content": fill(
+            self.template, "", "", "")}]))
+        self.max_judge = cfg.models.genrm.max_prompt_len
+
+    # --- data ------------------------------------------------------------------------------
+    def records_of(self, split: str) -> list[D.Record]:
+        d = self.cfg.data
+        key = f"data.{split}"
+        try:
+            if d.format == "synthetic":
+                n = d.synthetic_train if split == "train" else d.synthetic_validation
+                return D.synthetic(split, self.cfg.rl.seed, n)
+            path = getattr(d, split)
+            if not path:
+                raise TaskError(key, "is empty; name a parquet or JSONL file, or set "
+                                     "data.format: synthetic")
+            return D.read_records(path, d.format, D.DataKeys(d.prompt_key, d.answer_key,
+                                                             d.on_bad_line))
+        except D.DatasetError as e:
+            raise TaskError(key, str(e)) from None
+
+    def load(self, split: str, limit: int | None = None) -> list[PromptData]:
+        """The split's prompts, rendered; overlong ones filtered (counted) or rejected."""
+        cap = self.cfg.models.policy.max_prompt_len
+        out, dropped = [], []
+        for rec in self.records_of(split)[:limit]:
+            ids = self.policy.ids(rec.chat())
+            if len(ids) > cap:
+                if self.cfg.data.overlong == "reject":
+                    raise TaskError(f"data.{split}", f"{self._where(split)} row {rec.row}: "
+                                    f"the rendered prompt has {len(ids)} tokens, over "
+                                    f"models.policy.max_prompt_len={cap} (data.overlong: "
+                                    "filter drops such prompts)")
+                dropped.append(rec.row)
+                continue
+            pid = rec.row if split == "train" else VALIDATION_PID - rec.row
+            self.records[pid] = rec
+            out.append(PromptData(pid, tuple(ids), rec.problem, rec.answer))
+        self.filtered[split] = len(dropped)
+        if dropped:
+            log.warning("%s: %d of %d prompts are longer than models.policy.max_prompt_len=%d "
+                        "tokens and were left out (first: row %d)", self._where(split),
+                        len(dropped), len(dropped) + len(out), cap, dropped[0])
+        if not out:
+            raise TaskError(f"data.{split}", f"{self._where(split)}: no prompt fits "
+                            f"models.policy.max_prompt_len={cap}")
+        return out
+
+    def _where(self, split: str) -> str:
+        return "the synthetic set" if self.cfg.data.format == "synthetic" else \
+            getattr(self.cfg.data, split)
+
+    def training_order(self, prompts: list[PromptData]) -> list[PromptData]:
+        """The prompts of every step, reshuffled each pass with the run's seed."""
+        rl = self.cfg.rl
+        return D.epochs(prompts, rl.seed, rl.steps * rl.batch_size)
+
+    # --- reward ----------------------------------------------------------------------------
+    def dry_check(self, prompt: PromptData) -> None:
+        """Load compute_score and call it once; render one judge prompt."""
+        rec = self.records[prompt.pid]
+        self.scorer = load_scorer(self.cfg.reward.verifiable,
+                                  (rec.data_source, "Answer: 0", rec.answer, rec.extra_info))
+        if self.judge_overhead >= self.max_judge:
+            raise TaskError("models.genrm.max_prompt_len",
+                            f"{self.max_judge}: the judge template "
+                            f"({self.cfg.reward.genrm_template}) alone renders to "
+                            f"{self.judge_overhead} tokens; raise it")
+
+    def text(self, response_ids: Sequence[int]) -> str:
+        return self.policy.decode(response_ids)
+
+    def judge_prompt(self, prompt: PromptData, response_ids: Sequence[int]) -> list[int]:
+        """The GenRM's prompt; a response too long for models.genrm.max_prompt_len keeps its
+        tail (where the answer is)."""
+        rec = self.records[prompt.pid]
+        response = self.text(response_ids)
+        ids = self._judge_ids(rec, response)
+        if len(ids) > self.max_judge:
+            cut = self.genrm.encode(response)
+            keep = len(cut) - (len(ids) - self.max_judge) - 2   # re-encoding may differ a bit
+            ids = self._judge_ids(rec, self.genrm.decode(cut[-keep:]) if keep > 0 else "")
+        if len(ids) > self.max_judge:
+            raise TaskError("models.genrm.max_prompt_len",
+                            f"{self.max_judge} tokens do not hold the judge prompt of row "
+                            f"{rec.row} even with its response cut")
+        return ids
+
+    def _judge_ids(self, rec: D.Record, response: str) -> list[int]:
+        return self.genrm.ids([{"role": "user", "content": fill(
+            self.template, rec.problem, response, rec.answer)}])
+
+    def verdict(self, prompt: PromptData, response_ids: Sequence[int]):
+        rec = self.records[prompt.pid]
+        return self.scorer(rec.data_source, self.text(response_ids), rec.answer,
+                           rec.extra_info)
+
+    def correct(self, prompt: PromptData, response_ids: Sequence[int]) -> bool:
+        return self.verdict(prompt, response_ids).correct
+
+    def score(self, prompt: PromptData, response_ids: Sequence[int],
+              judge_ids: Sequence[int]) -> Score:
+        j = parse_judgement(self.genrm.decode(judge_ids), self.rule, self.opens_thinking)
+        return Score(self.verdict(prompt, response_ids).score, j.score, j.parsed)
+
+
+_BUILT: dict[str, tuple[RLTask, list[PromptData], list[PromptData]]] = {}
+
+
+def build_task(cfg: Config) -> tuple[RLTask, list[PromptData], list[PromptData]]:
+    """The task, the training prompts in step order, and the validation prompts (none
+    without data.validation or rl.eval_every); TaskError names the key to fix. Built once
+    per process for the same task settings: `pivotrl simulate` builds a controller for
+    every candidate of its search (21 for a paper group), each with the same task."""
+    key = repr((cfg.data, cfg.reward, cfg.models.policy, cfg.models.genrm, cfg.rl,
+                [_stamp(p) for p in (cfg.data.train, cfg.data.validation,
+                                     cfg.reward.genrm_template,
+                                     cfg.reward.verifiable.rsplit(":", 1)[0])]))
+    if key not in _BUILT:
+        _BUILT.clear()   # one at a time: a task holds every rendered prompt
+        _BUILT[key] = _build(cfg)
+    return _BUILT[key]
+
+
+def _stamp(path: str) -> tuple[int, int] | None:
+    """A file's (mtime, size): a file rewritten in place is built again."""
+    try:
+        st = os.stat(path)
+    except (OSError, ValueError):
+        return None
+    return st.st_mtime_ns, st.st_size
+
+
+def _build(cfg: Config) -> tuple[RLTask, list[PromptData], list[PromptData]]:
+    task = RLTask(cfg)
+    train = task.load("train")
+    task.dry_check(train[0])
+    validation: list[PromptData] = []
+    has_validation = cfg.data.validation or cfg.data.format == "synthetic"
+    if has_validation and cfg.rl.eval_every:
+        validation = task.load("validation", cfg.rl.eval_prompts)
+    return task, task.training_order(train), validation
