@@ -82,7 +82,11 @@ class RLConfig:
     seed: int = 0
     temperature: float = 1.0     # rollout sampling temperature
     eval_every: int = 0          # validation accuracy every N steps (0: never)
-    eval_prompts: int = 16       # validation prompts per evaluation (greedy)
+    eval_prompts: int = 16       # validation prompts per evaluation
+    # pass@1 over this many samples of each validation prompt, drawn at eval_temperature
+    # (0: greedy; DAPO's AIME evaluation draws 32 at temperature 1.0)
+    eval_samples: int = 1
+    eval_temperature: float = 0.0
     # A checkpoint (policy, optimizer, data cursor, samples in flight) every N steps and after
     # the last one, in <trace>.checkpoints/ (0: none); only the newest `keep_checkpoints` stay.
     checkpoint_every: int = 0

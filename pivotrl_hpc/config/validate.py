@@ -260,6 +260,12 @@ def _task_settings(cfg: Config) -> None:
     for key in ("synthetic_train", "synthetic_validation"):
         if getattr(d, key) <= 0:
             raise ConfigError(f"data.{key}", f"{getattr(d, key)!r} must be > 0")
+    rl = cfg.rl
+    if rl.eval_samples < 1:
+        raise ConfigError("rl.eval_samples", f"{rl.eval_samples!r} must be >= 1")
+    if rl.eval_samples > 1 and rl.eval_temperature <= 0:
+        raise ConfigError("rl.eval_samples", f"{rl.eval_samples} greedy samples are one answer "
+                          "repeated; set rl.eval_temperature > 0 (DAPO: 1.0) for pass@1")
     if r.genrm_scale < 0:
         raise ConfigError("reward.genrm_scale", f"{r.genrm_scale!r} must be >= 0 (0: the "
                                                 "template family's)")

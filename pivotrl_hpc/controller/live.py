@@ -105,7 +105,8 @@ def build_controller(cfg: Config, devices: Devices, clock, trace,
     book = RLBook(prompts, steps=cfg.rl.steps, batch_size=cfg.rl.batch_size,
                   group_size=cfg.rl.group_size, staleness=cfg.rl.staleness,
                   lengths=lengths(cfg), temperature=cfg.rl.temperature, seed=cfg.rl.seed,
-                  keep_trained=False)
+                  keep_trained=False, eval_samples=cfg.rl.eval_samples,
+                  eval_temperature=cfg.rl.eval_temperature)
     policy = make_paradigm_policy(cfg)
     tau = TauTracker(initial_tau(cfg))
     tau.attach(policy)

@@ -366,7 +366,8 @@ class Controller:
             del self.book.samples[s.sid]
         if self._eval_pending[step] == 0:
             del self._eval_pending[step]
-            self.report.validation(step, self._eval_correct[step] / len(self.validation))
+            size = len(self.validation) * self.book.eval_samples   # pass@1 over the samples
+            self.report.validation(step, self._eval_correct[step] / size)
 
     # --- monitor, waiting, shutdown ----------------------------------------------------
     def describe(self) -> str:

@@ -221,6 +221,8 @@ class Reporter:
                                 for s in self.steps],
             "validation": self.validations, "max_lag": self.max_lag,
             "staleness_held_s": ctl.book.held_s, "unparsed_genrm": ctl.book.unparsed,
+            # prompts over models.policy.max_prompt_len left out, per split (data.overlong)
+            "prompts_filtered": dict(getattr(ctl.task, "filtered", {})),
             "in_flight_at_end": ctl.book.in_flight(),
             # mean seconds a Step command took beyond its engine iterations, per role
             "step_overhead_s": {r: t / n for r, (t, n) in sorted(self._overhead.items())},
@@ -281,4 +283,7 @@ def format_summary(s: dict[str, Any]) -> str:
     lines.append(f"  max version lag {s['max_lag']}, admission held {s['staleness_held_s']:.1f} s"
                  f" by staleness, unparsed GenRM verdicts {s['unparsed_genrm']}, "
                  f"samples in flight at the end {s['in_flight_at_end']}")
+    if any(s.get("prompts_filtered", {}).values()):
+        lines.append("  prompts over the length cap left out: " + ", ".join(
+            f"{split} {n}" for split, n in s["prompts_filtered"].items()))
     return "\n".join(lines)

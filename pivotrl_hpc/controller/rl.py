@@ -73,11 +73,13 @@ class Lengths:
 class RLBook:
     def __init__(self, prompts: Sequence[PromptData], *, steps: int, batch_size: int,
                  group_size: int, staleness: int, lengths: Lengths, temperature: float,
-                 seed: int = 0, keep_trained: bool = True) -> None:
+                 seed: int = 0, keep_trained: bool = True, eval_samples: int = 1,
+                 eval_temperature: float = 0.0) -> None:
         self.prompts, self.steps = list(prompts), steps
         self.batch_size, self.group_size, self.k = batch_size, group_size, staleness
         self.lengths, self.temperature = lengths, temperature
         self.rng = random.Random(seed)
+        self.eval_samples, self.eval_temperature = eval_samples, eval_temperature
         self.samples: dict[int, Sample] = {}
         # False (a job): a trained sample is dropped, else the book grows by a batch a step
         # (20 MB over 200 tiny steps, `pivotrl bench soak`); tests keep them to inspect
@@ -123,9 +125,14 @@ class RLBook:
         return group
 
     def validation(self, prompts: Sequence[PromptData]) -> list[Sample]:
-        """Greedy samples for validation accuracy (never rewarded or trained)."""
-        greedy = Sampling(temperature=0.0)
-        return [self._new(p, -1, self.lengths.rollout_cap, greedy) for p in prompts]
+        """`eval_samples` samples of each prompt for validation accuracy (pass@1 = the mean
+        of their correctness; never rewarded or trained): greedy at temperature 0."""
+        def sampling() -> Sampling:
+            if self.eval_temperature <= 0:
+                return Sampling(temperature=0.0)
+            return Sampling(temperature=self.eval_temperature, seed=self.rng.randrange(2**31))
+        return [self._new(p, -1, self.lengths.rollout_cap, sampling())
+                for p in prompts for _ in range(self.eval_samples)]
 
     def _new(self, prompt: PromptData, batch: int, budget: int, sampling: Sampling) -> Sample:
         s = Sample(self.next_sid, prompt, batch, budget, sampling)
