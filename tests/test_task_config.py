@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -120,3 +121,24 @@ def test_judge_settings_are_checked(tiny_models, tmp_path):
     assert e.key == "reward.genrm_template" and "does not exist" in str(e)
     e = error(tiny_models, ["models.genrm.max_prompt_len=30"])
     assert e.key == "models.genrm.max_prompt_len" and "alone renders to" in str(e)
+
+
+def test_the_readme_job_is_a_valid_config_and_its_reward_file_loads(tmp_path):
+    """The README's "A user's own job" block uses only keys the schema has; its example
+    compute_score loads and scores by veRL's signature."""
+    import re
+
+    from pivotrl_hpc.task.rewards import load_scorer
+
+    readme = (ROOT / "README.md").read_text()
+    block = re.search(r"## A user's own job.*?```yaml\n(.*?)```", readme, re.S).group(1)
+    (tmp_path / "job.yaml").write_text(block)
+    (tmp_path / "examples").symlink_to(ROOT / "examples")
+    cfg = load_config(tmp_path / "job.yaml", check_files=False)
+    where, name = cfg.reward.verifiable.rsplit(":", 1)
+    assert name == "compute_score" and \
+        Path(where).samefile(ROOT / "examples" / "my_reward.py")   # relative to the config
+    scorer = load_scorer(cfg.reward.verifiable, ("math_dapo", "Answer: 0", "42", {}))
+    assert scorer("math_dapo", "so \\boxed{42}", "42", {}).score == 1.0
+    assert scorer("math_dapo", "Answer: 41", "42", {}).score == -1.0
+    assert scorer("math_dapo", "no idea", "42", {}).score == -1.5
