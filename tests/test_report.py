@@ -31,10 +31,16 @@ SHIFTS = [
          phases={"offloadable.reload.total": 3.0, "offloadable.reload.grads": 1.0,
                  "offloadable.reload.trim": 1.5, "parameters.load": 1.0}),
 ]
-STEPS = [dict(t=80.0, step=1, version=1, samples=8, tokens=400, reward_mean=0.25,
+STEPS = [dict(t=80.0, step=0, version=1, samples=8, tokens=400, reward_mean=0.25,
               reward_std=0.1, loss=1.5, max_lag=0, val_accuracy=0.5, seconds=20.0),
-         dict(t=95.0, step=2, version=2, samples=8, tokens=600, reward_mean=0.75,
+         dict(t=95.0, step=1, version=2, samples=8, tokens=600, reward_mean=0.75,
               reward_std=0.2, loss=1.1, max_lag=1, seconds=15.0)]
+# two sequences dispatched from the queue, then one moved r0 -> r1 when r0 shifts down (its
+# abort on r0 comes with the ShiftDown's reply): one migration
+SEQUENCES = [dict(t=11.0, seq_id="0", event="dispatch", role="rollout", replica="r0"),
+             dict(t=11.0, seq_id="1", event="dispatch", role="rollout", replica="r1"),
+             dict(t=50.0, seq_id="0", event="migrate", role="rollout", replica="r1"),
+             dict(t=52.0, seq_id="0", event="abort", role="rollout", replica="r0")]
 
 
 def _timeseries(w: TraceWriter) -> None:
@@ -59,6 +65,8 @@ def trace(tmp_path_factory):
             w.append("shifts", **row)
         for row in STEPS:
             w.append("steps", **row)
+        for row in SEQUENCES:
+            w.append("sequences", **row)
         _timeseries(w)
         w.close(summary={"seconds": 100.0})
     return path
@@ -86,6 +94,7 @@ def test_summary_numbers_by_hand(trace):
     assert (num["devices"], num["seconds"], num["steps"]) == (4, 100.0, 2)
     assert num["trained_tokens"] == 1000 and num["tokens_per_s"] == 10.0
     assert (num["reward_first"], num["reward_last"], num["max_lag"]) == (0.25, 0.75, 1)
+    assert num["migrations"] == 1    # the migrate row; the dispatches from the queue are none
     assert {k: v["count"] for k, v in num["shifts"].items()} == {
         "down rollout": 2, "up reward": 1, "up rollout": 2, "up training": 1}
     assert num["shifts"]["up rollout"]["mean_s"] == 8.0
@@ -104,6 +113,17 @@ def test_summary_numbers_by_hand(trace):
     table = markdown(num)
     assert "| tokens_per_s | 10.00 |" in table and "| up rollout | 2 | 8.00 |" in table
     assert "| reward | 190.0 | 0.00 |" in table and "| rollout | 80.0 | 0.25 |" in table
+    assert "| migrations | 1 |" in table
+
+
+def test_dispatches_from_the_queue_are_no_migration(tmp_path):
+    path = tmp_path / "dispatched.h5"
+    with TraceWriter(path, meta={"paradigm": "disaggregated"}) as w:
+        for row in SEQUENCES[:2]:
+            w.append("sequences", **row)
+        w.close(summary={"seconds": 20.0})
+    with open_trace(str(path)) as t:
+        assert numbers(t)["migrations"] == 0
 
 
 def test_pivotrl_report_writes_figures_and_a_perfetto_timeline(trace, tmp_path):

@@ -205,3 +205,29 @@ def test_the_doc_and_the_schema_agree_column_by_column():
     for table, columns in TABLES.items():
         rest = {c: t for c, t in columns.items() if c != "t"}   # `t` is documented once
         assert list(doc[table].items()) == list(rest.items()), table
+
+
+def test_migrations_are_counted_from_migrate_rows_only(run, tiny_models, tmp_path):
+    """Disaggregated with one rollout (TP=2) and one reward replica never shifts and has no
+    second replica to move a sequence to: its sequences are only dispatched from the
+    queue, so it counts no migration (the old trace labelled every placement at a shift up
+    `migrate`); the shiftable run counts exactly its migrate rows, in its summary and in
+    `pivotrl report`."""
+    from pivotrl_hpc.report import numbers
+    from pivotrl_hpc.trace import open_trace
+
+    cfg = load_config(ROOT / "configs" / "tiny-cpu.yaml",
+                      [*model_overrides(tiny_models), "rl.steps=2", "paradigm.name=disaggregated",
+                       "paradigm.initial_rollout_devices=2", "paradigm.initial_reward_devices=2",
+                       "roles.rollout_replica_size=2", "models.policy.tensor_parallel=2"])
+    path = tmp_path / "disaggregated.h5"
+    summary = simulate(cfg, SimConstants.from_config(cfg), path)
+    with open_trace(str(path)) as t:
+        events = list(t.table("sequences")["event"])
+        assert numbers(t)["migrations"] == 0 == summary["migrations"]
+    assert events.count("dispatch") > 0 and "migrate" not in events
+    assert all(r.ok for r in check(path))
+    shiftable, (rows, _, run_summary, _) = run
+    moved = sum(r["event"] == "migrate" for r in rows["sequences"])
+    with open_trace(str(shiftable)) as t:
+        assert numbers(t)["migrations"] == moved == run_summary["migrations"] > 0
