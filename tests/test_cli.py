@@ -36,6 +36,8 @@ HELP = {
                     "--no-search"],
     ("reproduce",): ["--out", "--only", "--quick", "--steps", "--seeds", "--jobs"],
     ("report",): ["trace", "--out"],
+    ("trace",): ["check"],
+    ("trace", "check"): ["TRACE"],
     ("profile",): ["throughput", "links"],
     ("profile", "throughput"): ["--model", "--out", "--role", "--seqs", "--prompt-lens"],
     ("profile", "links"): ["--out", "--size-mb", "--repeats", "--transport", "--no-remote"],
