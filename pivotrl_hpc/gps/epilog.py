@@ -1,0 +1,84 @@
+"""The Slurm epilog's shm cleanup: `slurm/epilog.sh` runs this file as root with the system
+Python (`python3 -I epilog.py JOB UID`), so it imports the standard library only.
+
+The job's user owns the folder `<PIVOTRL_SHM_DIR or /dev/shm>/pivotrl-u<uid>` and can rename
+it or swap it for a symlink at any moment (RENAME_EXCHANGE), so root never uses a path into
+it twice (issue 35): the folder is opened once, O_DIRECTORY | O_NOFOLLOW, its owner checked on
+the descriptor, and everything after goes through that descriptor: listing, the owner check
+of each entry (never following a link), unlinkat, and the flock that says no live agent of
+the user's other jobs holds it. Nothing is ever created (the old `flock FILE` opened with
+O_CREAT after a `-L` check, and a swap made root create a file wherever a symlink pointed).
+The folder itself is removed by name from the shm root only if that name still is the
+folder that was locked; the sticky shm root lets the user put nothing else there.
+"""
+from __future__ import annotations
+
+import fcntl
+import os
+import stat
+import sys
+
+
+def clean(root: str, uid: int, job: str) -> list[str]:
+    """Remove the job's files in the user's folder (owned by the user, regular files or
+    symlinks), then the folder if it is empty and unheld; the removed paths."""
+    name = f"pivotrl-u{uid}"
+    try:
+        top = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return []
+    try:
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=top)
+        except OSError:   # missing, a symlink (ELOOP) or not a folder (ENOTDIR): not touched
+            return []
+        try:
+            st = os.fstat(fd)
+            if st.st_uid != uid:
+                return []   # not the job user's folder
+            removed = _remove_job_files(fd, uid, f"pivotrl-{job}-")
+            _remove_folder(top, name, fd, st)
+            return [os.path.join(root, name, n) for n in removed]
+        finally:
+            os.close(fd)
+    finally:
+        os.close(top)
+
+
+def _remove_job_files(fd: int, uid: int, prefix: str) -> list[str]:
+    removed = []
+    for entry in sorted(os.listdir(fd)):
+        if not entry.startswith(prefix):
+            continue
+        try:
+            est = os.stat(entry, dir_fd=fd, follow_symlinks=False)
+            if est.st_uid == uid and (stat.S_ISREG(est.st_mode) or stat.S_ISLNK(est.st_mode)):
+                os.unlink(entry, dir_fd=fd)
+                removed.append(entry)
+        except FileNotFoundError:
+            pass
+    return removed
+
+
+def _remove_folder(top: int, name: str, fd: int, st: os.stat_result) -> None:
+    """rmdir the folder once empty, unless a live agent holds its flock (shmdir.hold)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        now = os.stat(name, dir_fd=top, follow_symlinks=False)
+        if (now.st_ino, now.st_dev) == (st.st_ino, st.st_dev):
+            os.rmdir(name, dir_fd=top)
+    except OSError:   # held (BlockingIOError), not empty, or gone: it stays
+        pass
+
+
+def main(argv: list[str]) -> int:
+    job, uid = argv
+    if not uid.isdigit() or not job or not all(c.isalnum() or c in "_." for c in job):
+        return 0   # never a name from odd input
+    for path in clean(os.environ.get("PIVOTRL_SHM_DIR") or "/dev/shm", int(uid), job):
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
