@@ -82,8 +82,8 @@ class ModelStore:
         if version in self.versions:
             return self.versions[version]
         path = self.path(version)
-        if self.spare:
-            seg = self.spare.pop()
+        seg = self._valid_spare()
+        if seg is not None:
             os.rename(seg.path, path)
             seg.path = path
         else:
@@ -92,6 +92,25 @@ class ModelStore:
                                  if self.ownership.k > 1 else None)
         self.versions[version] = seg
         return seg
+
+    def _valid_spare(self) -> Segment | None:
+        """A spare still whole: the user's own processes can truncate or replace the file
+        under its name, and a mapping of a truncated file is a SIGBUS at the first store."""
+        while self.spare:
+            seg = self.spare.pop()
+            try:
+                st, named = os.fstat(seg.fd), os.lstat(seg.path)
+                held = st.st_blocks * 512
+            except OSError:
+                st = named = None
+            if st is not None and (st.st_ino, st.st_dev) == (named.st_ino, named.st_dev) \
+                    and st.st_size == self.header.total_bytes and held >= self.owned_bytes():
+                return seg
+            log.warning("GPS spare %s of %s was changed outside the agent (%s): not reused",
+                        seg.path.name, self.model, "gone" if st is None else
+                        f"{st.st_size} bytes, {held} held; want {self.header.total_bytes}")
+            _dispose(seg, unlink=st is not None and (st.st_ino == named.st_ino))
+        return None
 
     def live(self) -> tuple[int, ...]:
         return tuple(sorted(v for v in self.versions if self.current is not None
