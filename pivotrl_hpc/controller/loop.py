@@ -97,6 +97,7 @@ class Controller:
     def run(self) -> dict[str, Any]:
         ok, stopped = False, False
         try:
+            self.report.start()   # what this segment starts from (a resume restored some)
             self.prebuild()
             if self._bootstrap is not None:   # the start-up allocation: planner row 0
                 self._execute(self.snapshot(), self._bootstrap, None, 0.0)

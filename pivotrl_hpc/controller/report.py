@@ -61,6 +61,14 @@ class Reporter:
                           version=version, step=-1 if sample is None else sample.batch,
                           prompt_tokens=len(rec.prompt_ids))
 
+    def start(self) -> None:
+        """The `start` row: the state the run (or a resumed segment) starts from, which the
+        summary's running figures (tau_shift, staleness_held_s) continue."""
+        ctl = self.ctl
+        self.trace.append("start", t=ctl.clock.now(), step=ctl.step, version=ctl.published,
+                          held_s=ctl.book.held_s, unparsed=ctl.book.unparsed,
+                          tau=dict(ctl.tau.tau), tau_counts=dict(ctl.tau.counts))
+
     def admission(self, now: float, version: int, samples: int, held_s: float) -> None:
         """An admission round against policy `version`; `held_s`: the seconds the
         staleness bound had held admission before it."""

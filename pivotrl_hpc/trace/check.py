@@ -257,7 +257,7 @@ def _admission_versions(rows) -> list[str]:
                if g["op"] == "write"]
     events += [(a["t"], 1, "admit", "", a) for a in rows["admission"]]
     served: dict[str, int] = {}
-    published, out = None, []
+    published, out = (rows["start"][0]["version"] if rows["start"] else None), []
     for t, _, kind, rep, v in sorted(events, key=lambda e: e[:2]):
         if kind in ("up", "reload"):
             served[rep] = v

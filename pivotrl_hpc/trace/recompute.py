@@ -45,12 +45,14 @@ def shift_kinds(shifts: list[dict]) -> dict[str, int]:
     return dict(kinds)
 
 
-def tau_shift(shifts: list[dict], tau0: dict[str, float]) -> dict[str, float]:
-    """`tau_shift`: per role the mean of its shift seconds with the configured value as one
-    prior observation, shifts that built an engine left out."""
+def tau_shift(shifts: list[dict], tau0: dict[str, float], n0: dict[str, int]
+              ) -> dict[str, float]:
+    """`tau_shift`: per role the running mean of its shift seconds, from the `start` row's
+    values and counts (the configured value counts as one prior observation), shifts that
+    built an engine left out."""
     from pivotrl_hpc.runtime.context import BUILD_PHASES
 
-    tau, n = dict(tau0), Counter()
+    tau, n = dict(tau0), Counter(n0)
     for r in shifts:
         if BUILD_PHASES & set(r["phases"] or {}):
             continue
@@ -107,9 +109,7 @@ def summary(rows: dict[str, list[dict]], meta: dict[str, Any]) -> dict[str, Any]
     first_token = next((r["t"] for r in work if r["role"] != TRAINING and r["tokens"] > 0),
                        None)
     prepared = [e["t"] for e in rows["events"] if e["kind"] == "prepare"]
-    config = meta.get("config") or {}
-    paradigm = config.get("paradigm") or {}
-    tau0 = {role: paradigm.get(f"shift_seconds_{role}") for role in (*GEN_ROLES, TRAINING)}
+    start = rows["start"][0] if rows["start"] else {"held_s": 0.0}
     out: dict[str, Any] = {
         "trained_tokens": trained,
         "shifts": sum(len(devices_of(r["devices"])) for r in rows["shifts"]
@@ -119,7 +119,7 @@ def summary(rows: dict[str, list[dict]], meta: dict[str, Any]) -> dict[str, Any]
         "reward_per_step": [{"step": s["step"], "t": s["t"], "reward": s["reward_mean"]}
                             for s in steps],
         "max_lag": max([0] + [s["max_lag"] for s in steps]),
-        "staleness_held_s": sum(a["held_s"] for a in rows["admission"]),
+        "staleness_held_s": start["held_s"] + sum(a["held_s"] for a in rows["admission"]),
         "in_flight_at_end": in_flight(seqs),
         "step_overhead_s": overhead, "first_step_s": first,
         "migrations": sum(r["event"] == "migrate" for r in seqs),
@@ -127,8 +127,8 @@ def summary(rows: dict[str, list[dict]], meta: dict[str, Any]) -> dict[str, Any]
         "validation": [{"step": int(m[1]), "accuracy": float(m[2])} for m in
                        (VALIDATION.match(e["message"]) for e in rows["events"]) if m],
     }
-    if None not in tau0.values():
-        out["tau_shift"] = tau_shift(rows["shifts"], tau0)
+    if "tau" in start:
+        out["tau_shift"] = tau_shift(rows["shifts"], start["tau"], start["tau_counts"])
     if end is not None:
         out.update({
             "seconds": end, "steps": steps[-1]["step"] + 1,
