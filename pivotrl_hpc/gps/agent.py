@@ -8,7 +8,9 @@ in the control block, exchange NIXL metadata and segment addresses with the othe
 Then a single-threaded event loop, so no step ever blocks in C for long (a SIGTERM from
 `scancel` is handled within one loop turn and removes every segment):
 
-- workers on the node talk to it over a Unix socket (abstract name `pivotrl-<job>-<node>`,
+- workers on the node talk to it over a Unix socket (abstract name
+  `pivotrl-u<uid>-<job>-<node>-<token>`, the token random per agent and published only in the
+  control file of the user's 0700 folder, so no other account can predict and squat it;
   newline-delimited JSON; see client.py for the requests). Reads need no message at all:
   workers map the published version directly (control.py).
 - agents talk to each other over an MPI communicator (one rank per node, tag CTRL_TAG):
@@ -28,6 +30,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import secrets
 import signal
 import threading
 import time
@@ -49,8 +52,14 @@ from pivotrl_hpc.gps.transport import CTRL_TAG, make_transport
 log = logging.getLogger(__name__)
 
 
-def socket_address(job: str, node: str) -> str:
-    return "\0" + segment_prefix(job, node).rstrip("-")
+def socket_address(job: str, node: str, token: str) -> str:
+    """The agent's abstract socket name: the uid (two users' jobs never collide) and the
+    agent's random token (nobody outside the user's folder can know the name in advance)."""
+    return f"\0pivotrl-u{os.getuid()}-{segment_prefix(job, node)}{token}"
+
+
+def new_token() -> str:
+    return secrets.token_hex(8)
 
 
 def control_path(job: str, node: str) -> Path:
@@ -89,6 +98,7 @@ class NodeAgent(Transfers):
         self._byes: set[int] = set()
         self._stopping = False
         self._shm_hold: int | None = None
+        self.token = new_token()
         self.closed = False
 
     # ---- start-up -------------------------------------------------------------------------
@@ -127,7 +137,7 @@ class NodeAgent(Transfers):
         self._listen()
         # The control block appears last: a client that finds it finds a served first version.
         self.ctl = control.ControlBlock(control_path(self.cfg.job, self.cfg.node), create=True,
-                                        group_size=k)
+                                        group_size=k, token=self.token, dir_fd=self._shm_hold)
         for store in self.stores.values():
             store.publish(self.ctl, first[store.model])
 
@@ -145,7 +155,8 @@ class NodeAgent(Transfers):
         os._exit(128 + signum)  # no MPI_Finalize: the other ranks are being killed too
 
     def _listen(self) -> None:
-        self.clients = ClientSocket(socket_address(self.cfg.job, self.cfg.node))
+        self.clients = ClientSocket(socket_address(self.cfg.job, self.cfg.node, self.token),
+                                    token=self.token)
 
     def _expose(self, model: str, version: int) -> dict:
         seg = self.stores[model].versions[version]
@@ -306,7 +317,8 @@ class NodeAgent(Transfers):
             self.ctl.mark_closed()  # clients waiting on this node stop at once
         for store in self.stores.values():
             store.close(unlink=True)
-        sweep(self.cfg.job, self.cfg.node)
+        if self._shm_hold is not None:   # never inside a folder that was refused (squatted)
+            sweep(self.cfg.job, self.cfg.node)
         if self.ctl is not None:
             self.ctl.close()
         if self.transport is not None:

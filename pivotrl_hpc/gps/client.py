@@ -12,14 +12,22 @@ rank's slices into it, sends `written` with the byte ranges it filled and return
 
 One client per process and thread (its handles: gps.handles); requests over the socket are
 answered in order, and the `replicated` notices of writes are kept until their handle asks.
+
+Whom a client trusts (issue 35, docs/security.md): the GPS folder is opened once (O_DIRECTORY |
+O_NOFOLLOW, owner and mode checked on the descriptor) and every file is opened in it with
+openat and O_NOFOLLOW, a path from a reply only if it is exactly the file the client expects.
+The socket's peer must be the job's user (SO_PEERCRED) and the agent process the control file
+names (pid and start time, watched through a pidfd). Every request has a deadline
+(`request_s`, PIVOTRL_GPS_REQUEST_S); a dead, zombie or stopped agent, a lost connection or
+a missed deadline is a GPSUnavailable that says which.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import secrets
-import socket
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -29,10 +37,11 @@ from torch import Tensor
 
 from pivotrl_hpc.gps import control, device, shmdir
 from pivotrl_hpc.gps.control import GPSUnavailable
-from pivotrl_hpc.gps.agent import control_path, socket_address
+from pivotrl_hpc.gps.agent import control_path
+from pivotrl_hpc.gps.channel import REQUEST_S, AgentChannel
 from pivotrl_hpc.gps.convert import megatron_shard_to_hf_slices
 from pivotrl_hpc.gps.handles import (  # noqa: F401 - GPSWriteError: imported from here too
-    NOTICES, FollowWrite, GPSWriteError, Pin, WriteHandle)
+    FollowWrite, GPSWriteError, Pin, WriteHandle)
 from pivotrl_hpc.gps.arch import VOCAB, split_of
 from pivotrl_hpc.gps.layout import (ParallelPlace, byte_ranges,
                                     covering_range, hybrid_owner, normalized, put, take,
@@ -46,30 +55,45 @@ from pivotrl_hpc.gps.tensors import to_megatron
 
 log = logging.getLogger(__name__)
 
+FETCH_FACTOR = 10  # a hybrid Read's fetch moves bytes between nodes: a longer deadline
+
+
 class GPSClient:
-    def __init__(self, job: str, node: str, *, wait_s: float = 60.0):
-        self.job, self.node = job, node
+    def __init__(self, job: str, node: str, *, wait_s: float = 60.0,
+                 request_s: float = REQUEST_S):
+        self.job, self.node, self.request_s = job, node, request_s
         deadline = time.monotonic() + wait_s
         path = control_path(job, node)
+        self._dir = -1
         while True:
             try:
-                shmdir.check()   # never trust files in a folder others could write
-                self.ctl = control.ControlBlock(path)
+                # never trust files in a folder others could write; every file of this
+                # client is opened in it by descriptor (openat), never by a path again
+                self._dir = shmdir.open_dir(path.parent)
+                self.ctl = control.ControlBlock(path, dir_fd=self._dir)
                 break
             except (FileNotFoundError, RuntimeError, ValueError):
+                if self._dir >= 0:
+                    os.close(self._dir)
+                    self._dir = -1
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"no GPS node agent for job {job} on {node} ({path})")
                 time.sleep(0.05)
-        self.ctl.check_agent()
-        self._sock: socket.socket | None = None
-        self._buf = b""
-        self._notices: dict[tuple[str, int], dict] = {}   # (model, version) -> replicated
+            except BaseException:
+                if self._dir >= 0:
+                    os.close(self._dir)
+                raise
+        self._chan = AgentChannel(job, node, self.ctl, request_s)
         self._headers: dict[str, tuple[Header, ModelShape]] = {}
         self._node_index: int | None = None
         self._maps: dict[tuple[str, int, int], Segment] = {}
-        # connected from the start: a worker's connection is held before any flood of other
-        # local connections can reach the agent's limit (gps/conns.py)
-        self._connect()
+        # connected (and registered) from the start: a worker's connection is held before
+        # any flood of other local connections can reach the agent's limit (gps/conns.py)
+        try:
+            self._chan.connect()
+        except BaseException:
+            self.close()
+            raise
 
     # ---- versions and pins ------------------------------------------------------------------
     def state(self, model: str) -> control.ModelState:
@@ -90,7 +114,7 @@ class GPSClient:
                                   f"(live: {st.live})")
             path = SHM_DIR / segment_name(self.job, self.node, model, v)
             try:
-                fd = open_own(path, os.O_RDONLY)   # no symlink, no other user's file
+                fd = open_own(path, os.O_RDONLY, self._dir)   # no symlink, no other user's
             except FileNotFoundError:
                 time.sleep(0.001)
                 continue  # retired between the snapshot and the open: take a new snapshot
@@ -212,15 +236,18 @@ class GPSClient:
         # O_EXCL | O_NOFOLLOW and a random name: a planted file or symlink is never opened
         stage = SHM_DIR / (f"{staging_prefix(self.job, self.node)}{os.getpid()}-"
                            f"{secrets.token_hex(8)}")
-        fd = os.open(stage, os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_RDWR, 0o600)
+        fd = os.open(stage.name, os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_RDWR, 0o600,
+                     dir_fd=self._dir)
         try:
             reserve_file(fd, stage, 0, total)   # sizes it; a full shm: GPSMemoryError, no SIGBUS
             self._request({"op": "fetch", "model": model, "version": pin.version,
-                           "items": items, "dest": str(stage)}, "fetched")
+                           "items": items, "dest": str(stage)}, "fetched",
+                          self.request_s * FETCH_FACTOR)
             raw = torch.frombuffer(bytearray(os.pread(fd, total, 0)), dtype=torch.uint8)
         finally:
             os.close(fd)
-            stage.unlink(missing_ok=True)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(stage.name, dir_fd=self._dir)
         starts, pos = [], 0
         for a, b in items:
             starts.append((a, pos))
@@ -260,10 +287,10 @@ class GPSClient:
         else:
             raise ValueError(f"unknown layout {layout!r} (hf or megatron)")
         reply = self._request({"op": "begin_write", "model": model}, "begin_write")
-        version = reply["version"]
-        fd = open_own(Path(reply["path"]), os.O_RDWR)
+        version, path = reply["version"], self._expected(reply, model)
+        fd = open_own(path, os.O_RDWR, self._dir)
         try:
-            seg = Segment.attach(Path(reply["path"]), fd=fd, writable=True,
+            seg = Segment.attach(path, fd=fd, writable=True,
                                  populate=self.ctl.group_size == 1)
             try:
                 infos = seg.header.tensors
@@ -288,54 +315,30 @@ class GPSClient:
                        "ranges": ranges}, "written")
         return WriteHandle(self, model, version)
 
-    # ---- socket ------------------------------------------------------------------------------
-    def _connect(self) -> socket.socket:
-        if self._sock is None:
-            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            s.connect(socket_address(self.job, self.node))
-            self._sock = s
-        return self._sock
+    def _expected(self, reply: dict, model: str) -> Path:
+        """The segment a `begin_write` reply names, if it is exactly this model's next
+        version in this job's folder; a reply naming any other file is refused."""
+        version = reply.get("version")
+        if type(version) is not int or version < 0:
+            raise GPSUnavailable(f"GPS agent of {self.job} on {self.node}: bad version "
+                                 f"{version!r} in its begin_write reply")
+        path = SHM_DIR / segment_name(self.job, self.node, model, version)
+        if reply.get("path") != str(path):
+            raise GPSUnavailable(f"GPS agent of {self.job} on {self.node} named "
+                                 f"{reply.get('path')!r} for {model} v{version}, not {path}: "
+                                 "refused (a reply's file must be the job's own segment)")
+        return path
 
-    def _recv_msg(self, timeout: float | None) -> dict | None:
-        sock = self._connect()
-        while b"\n" not in self._buf:
-            sock.settimeout(timeout)
-            try:
-                data = sock.recv(1 << 16)
-            except (socket.timeout, BlockingIOError):
-                return None
-            if not data:
-                raise GPSUnavailable(f"GPS agent on {self.node} closed the connection")
-            self._buf += data
-        line, _, self._buf = self._buf.partition(b"\n")
-        return json.loads(line)
-
-    def _request(self, msg: dict, expect: str) -> dict:
-        self._connect().sendall(json.dumps(msg).encode() + b"\n")
-        while True:
-            reply = self._recv_msg(None)
-            if reply["op"] in NOTICES:
-                self._notice(reply)
-            elif reply["op"] == "error":
-                raise RuntimeError(f"GPS agent: {reply['error']}")
-            elif reply["op"] == expect:
-                return reply
+    # ---- the agent ----------------------------------------------------------------------------
+    def _request(self, msg: dict, expect: str, timeout: float | None = None) -> dict:
+        return self._chan.request(msg, expect, timeout)
 
     def _take_replicated(self, model: str, version: int, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
-        while (model, version) not in self._notices:
-            left = deadline - time.monotonic()
-            reply = self._recv_msg(max(left, 1e-4) if timeout else 1e-4)
-            if reply is None:
-                if left <= 0:
-                    return False
-                continue
-            if reply["op"] in NOTICES:
-                self._notice(reply)
-        return True  # notices stay: several handles of one client may share a version
+        return self._chan.take_replicated(model, version, timeout)
 
-    def _notice(self, reply: dict) -> None:
-        self._notices[reply["model"], reply["version"]] = reply
+    @property
+    def _notices(self) -> dict[tuple[str, int], dict]:
+        return self._chan.notices
 
     def _ping(self) -> dict:
         if self._node_index is None:
@@ -361,7 +364,8 @@ class GPSClient:
         for seg in self._maps.values():
             seg.close()
         self._maps.clear()
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
+        self._chan.close()
         self.ctl.close()
+        if self._dir >= 0:
+            os.close(self._dir)
+            self._dir = -1

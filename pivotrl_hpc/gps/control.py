@@ -2,7 +2,8 @@
 seqlock; and version pins as `flock` shared locks on the segment files.
 
 Layout of `pivotrl-<job>-<node>-ctl` (4 KiB): a 64-byte head (magic, agent pid, group size
-k, closed flag), then one 256-byte slot per model: name (64 B), seq (u64), current+1 (u64), 16 live
+k, closed flag, the agent's start time in clock ticks, its socket token: 16 bytes), then one
+256-byte slot per model: name (64 B), seq (u64), current+1 (u64), 16 live
 versions+1 (u64 each; 0 = empty). Only the node agent writes; it bumps `seq` to odd, writes,
 bumps to even (a seqlock). Readers retry while `seq` is odd or changed under them, so they never
 act on a half-updated slot. x86 keeps stores in program order, and CPython performs the
@@ -22,6 +23,10 @@ re-read live -> if the version is still live it is pinned, else unlock and retry
 free or recycle a version: flock(LOCK_EX | LOCK_NB) on its own descriptor -> mark it not live
 -> unlink or rename the file -> unlock. The kernel drops a dead reader's lock, so `kill -9` of
 a reader leaves nothing pinned and nothing corrupt (readers map read-only).
+
+Who the agent is (issue 35): its pid *and* start time are in the head, so a client checks
+liveness through a pidfd of exactly that process (`AgentWatch`): a zombie counts as dead, and a
+pid recycled by another process after the agent died is never taken for the agent.
 """
 from __future__ import annotations
 
@@ -30,10 +35,13 @@ import fcntl
 import mmap
 import os
 import platform
+import select
 import struct
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from pivotrl_hpc.gps.shmdir import reserve_file
 
 MAGIC = 0x5350474C52544F56  # "VOTRLGPS"
 SIZE = 4096
@@ -42,6 +50,7 @@ _SLOT = 256
 MAX_MODELS = (SIZE - _HEAD) // _SLOT
 MAX_LIVE = 16
 _NAME = 64
+_TOKEN = 16
 
 
 _MODE = os.environ.get("PIVOTRL_GPS_SEQLOCK", "auto")
@@ -64,27 +73,35 @@ class ModelState:
 class ControlBlock:
     """Attach to (or, for the agent, create) the node's control segment."""
 
-    def __init__(self, path: Path, create: bool = False, group_size: int = 1):
+    def __init__(self, path: Path, create: bool = False, group_size: int = 1,
+                 token: str = "", dir_fd: int | None = None):
+        """`dir_fd`: the GPS folder's descriptor; `path.name` is then opened in it."""
         self.path = Path(path)
         flags = os.O_RDWR | os.O_NOFOLLOW | (os.O_CREAT | os.O_EXCL if create else 0)
-        fd = os.open(self.path, flags, 0o600)
+        fd = os.open(self.path.name if dir_fd is not None else self.path, flags, 0o600,
+                     dir_fd=dir_fd)
         try:
             st = os.fstat(fd)
             if st.st_uid != os.getuid() or st.st_size < SIZE and not create:
                 raise PermissionError(f"{self.path} is not a GPS control segment of uid "
                                       f"{os.getuid()} (uid {st.st_uid}, {st.st_size} bytes)")
-            if create:
-                os.ftruncate(fd, SIZE)
+            if create:   # allocated, not ftruncated: a full shm is an error here, no SIGBUS
+                reserve_file(fd, self.path, 0, SIZE)
             self.mm = mmap.mmap(fd, SIZE)
         except BaseException:
             os.close(fd)
+            if create:
+                os.unlink(self.path.name if dir_fd is not None else self.path, dir_fd=dir_fd)
             raise
         self._fd = fd   # kept: the flock of the LOCKED path
         self._words = memoryview(self.mm).cast("Q")  # single 8-byte loads and stores
         self.raced_reads = 0  # state() calls that met a write in progress and retried
         self._slots: dict[str, int] = {}
+        self._watch: AgentWatch | None = None
         if create:
-            struct.pack_into("<QQQ", self.mm, 0, MAGIC, os.getpid(), group_size)
+            tok = token.encode()[:_TOKEN].ljust(_TOKEN, b"\0")
+            struct.pack_into(f"<QQQQQ{_TOKEN}s", self.mm, 0, MAGIC, os.getpid(), group_size,
+                             0, start_time(os.getpid()) or 0, tok)
         elif struct.unpack_from("<Q", self.mm, 0)[0] != MAGIC:
             self.close()
             raise RuntimeError(f"{self.path} is not a GPS control segment")
@@ -97,6 +114,11 @@ class ControlBlock:
     def group_size(self) -> int:
         return struct.unpack_from("<Q", self.mm, 16)[0]
 
+    @property
+    def token(self) -> str:
+        """The random part of the agent's socket name (agent.socket_address)."""
+        return bytes(self.mm[40:40 + _TOKEN]).rstrip(b"\0").decode("ascii", "replace")
+
     def mark_closed(self) -> None:
         """Agent only, before it deletes anything: clients stop waiting at once."""
         self._words[3] = 1
@@ -105,9 +127,17 @@ class ControlBlock:
         """Raise GPSUnavailable when the agent has shut down or its process is gone."""
         if self._words[3]:
             raise GPSUnavailable(f"the GPS agent of {self.path.name} has shut down")
-        pid = self.agent_pid
-        if not _alive(pid):
+        pid, born = self.agent_pid, self._words[4]
+        if self._watch is None or self._watch.pid != pid:
+            if self._watch is not None:
+                self._watch.close()
+            self._watch = AgentWatch.open(pid, born)
+        if self._watch is None or not self._watch.alive():
             raise GPSUnavailable(f"the GPS agent of {self.path.name} (pid {pid}) is gone")
+
+    def agent_state(self) -> str:
+        """The agent process's state letter and meaning, for error messages."""
+        return process_state(self.agent_pid)
 
     def models(self) -> list[str]:
         out = []
@@ -200,6 +230,9 @@ class ControlBlock:
     def close(self) -> None:
         if self._fd < 0:
             return
+        if self._watch is not None:
+            self._watch.close()
+            self._watch = None
         self._words.release()
         self.mm.close()
         os.close(self._fd)
@@ -214,25 +247,78 @@ def live_agent(path: Path) -> int | None:
     except OSError:
         return None
     try:
-        head = os.pread(fd, 32, 0)
+        head = os.pread(fd, 40, 0)
     finally:
         os.close(fd)
-    if len(head) < 32:
+    if len(head) < 40:
         return None
-    magic, pid, _, closed = struct.unpack("<QQQQ", head)
-    if magic != MAGIC or closed or pid == os.getpid() or not _alive(pid):
+    magic, pid, _, closed, born = struct.unpack("<QQQQQ", head)
+    if magic != MAGIC or closed or pid == os.getpid():
         return None
-    return pid
-
-
-def _alive(pid: int) -> bool:
+    watch = AgentWatch.open(pid, born)
+    if watch is None:
+        return None
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, another user's pid namespace view: not ours to judge
-        pass
-    return True
+        return pid if watch.alive() else None
+    finally:
+        watch.close()
+
+
+def start_time(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (/proc/<pid>/stat field 22): with
+    the pid, a name for one process that a recycled pid does not match; None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return None
+    return int(raw[raw.rindex(b")") + 2:].split()[19])
+
+
+_STATES = {"R": "running", "S": "sleeping", "D": "in uninterruptible I/O", "T": "stopped",
+           "t": "stopped by a debugger", "Z": "a zombie", "X": "dead"}
+
+
+def process_state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return "gone"
+    st = raw[raw.rindex(b")") + 2:][:1].decode()
+    return f"{st} ({_STATES.get(st, 'unknown state')})"
+
+
+class AgentWatch:
+    """A pidfd on the agent: readable once the process has exited (a zombie included), and
+    bound to that process, so a recycled pid can never pass for it."""
+
+    def __init__(self, pid: int, fd: int):
+        self.pid, self.fd = pid, fd
+        self._poll = select.poll()
+        self._poll.register(fd, select.POLLIN)
+
+    @classmethod
+    def open(cls, pid: int, born: int) -> "AgentWatch | None":
+        """A watch on `pid` if it is the process started at `born` (0: unknown, not checked)
+        and still runs; else None."""
+        try:
+            fd = os.pidfd_open(pid)
+        except (ProcessLookupError, ValueError, OverflowError):
+            return None
+        # after the pidfd: a start time that matches now names the process the fd holds
+        if born and start_time(pid) != born:
+            os.close(fd)
+            return None
+        return cls(pid, fd)
+
+    def alive(self) -> bool:
+        return self.fd >= 0 and not self._poll.poll(0)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 def lock_shared(fd: int) -> None:

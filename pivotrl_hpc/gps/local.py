@@ -78,17 +78,27 @@ def _wait_ready(agent: LocalAgent, wait_s: float) -> None:
         time.sleep(0.02)
 
 
+STOP_ASK_S = 5.0     # the shutdown request's deadline (a stopped agent never answers)
+STOP_TERM_S = 10.0   # then SIGTERM (and SIGCONT, for a stopped one), then SIGKILL
+
+
 def _stop(agent: LocalAgent) -> None:
+    """Bounded: a shutdown request, SIGTERM, SIGKILL; at most ~40 s even when the agent is
+    stopped (SIGSTOP) or ignores signals."""
     if agent.proc.poll() is None:
         try:
-            c = agent.client()
-            c.shutdown_agent()
-            c.close()
+            from pivotrl_hpc.gps.client import GPSClient
+            c = GPSClient(agent.job, agent.node, wait_s=STOP_ASK_S, request_s=STOP_ASK_S)
+            try:
+                c.shutdown_agent()
+            finally:
+                c.close()
             agent.proc.wait(timeout=20)
         except Exception:  # noqa: BLE001 - fall back to the signal path
             agent.proc.terminate()
+            agent.proc.send_signal(signal.SIGCONT)   # a stopped agent handles SIGTERM now
             try:
-                agent.proc.wait(timeout=20)
+                agent.proc.wait(timeout=STOP_TERM_S)
             except subprocess.TimeoutExpired:   # it ignores SIGTERM: the sweep still runs
                 agent.proc.kill()
                 agent.proc.wait()

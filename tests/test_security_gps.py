@@ -1,0 +1,325 @@
+"""Issue 35, the GPS half: a second account (`nobody`, the system Python and the standard
+library only) against root's GPS agent, client, folder and Slurm epilog.
+
+- N3: a process holding the dead agent's pid and its socket name gets no weights: the client
+  checks the agent's start time (pidfd), the peer's uid and pid (SO_PEERCRED), and opens only
+  the file it expects, in the folder, by descriptor.
+- N4: the socket name carries the uid and a random token, so predictable names squatted by
+  `nobody` do not stop `gps serve`; a name already bound is one line naming its owner, exit 2.
+- The epilog cannot be made to create a file through a folder swapped for a symlink.
+- A folder squatted by another account: one line naming the owner and the fix, exit 2, and
+  nothing inside it is swept.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from pivotrl_hpc.gps import control
+from pivotrl_hpc.gps.agent import control_path, socket_address
+from pivotrl_hpc.gps.client import GPSClient
+from pivotrl_hpc.gps.control import GPSUnavailable
+from pivotrl_hpc.gps.layout import ParallelPlace
+from pivotrl_hpc.gps.local import local_agent
+
+NOBODY = 65534
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _root_only():
+    if os.getuid() != 0:
+        pytest.skip("running code as a second account needs root")
+
+
+def _as_nobody(code: str, *args: str, **kw) -> subprocess.Popen:
+    """The attacker: setpriv execs the system Python as nobody in this very process (no fork
+    in between: the pid the test arranged is the attacker's)."""
+    return subprocess.Popen(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}",
+                             "--clear-groups", "/usr/bin/python3", "-I", "-c", code, *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+def _shared_root() -> Path:
+    """A world-writable sticky folder standing in for /dev/shm (PIVOTRL_SHM_DIR)."""
+    root = Path(tempfile.mkdtemp(prefix="pivotrl-shmroot-", dir="/tmp"))
+    os.chmod(root, 0o1777)
+    return root
+
+
+# ---- N3: the client authenticates its agent -------------------------------------------------
+FAKE_AGENT = r"""
+import json, os, socket, sys
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.bind(bytes.fromhex(sys.argv[1]).decode())   # the dead agent's name
+s.listen(8)
+print(os.getpid(), flush=True)
+target = sys.argv[2]                          # a root-owned 0644 file with a valid header
+while True:
+    c, _ = s.accept()
+    f = c.makefile("rwb")
+    for line in f:
+        req = json.loads(line)
+        op = req["op"]
+        rep = {"op": op}
+        if op == "begin_write":
+            rep = {"op": op, "version": 1, "path": target}
+        elif op == "written":
+            rep = {"op": op, "version": 1}
+        elif op == "ping":
+            rep = {"op": "ping", "node": "n0", "index": 0, "n_nodes": 1, "transport": None,
+                   "transport_fallback": None}
+        f.write(json.dumps(rep).encode() + b"\n")
+        f.flush()
+"""
+
+
+def _spawn_with_pid(pid: int, code: str, *args: str) -> subprocess.Popen:
+    """Start the attacker with exactly `pid`: what nobody got by cycling pids for 5-15 s in
+    the review, arranged here at once through /proc/sys/kernel/ns_last_pid (root)."""
+    for _ in range(200):
+        Path("/proc/sys/kernel/ns_last_pid").write_text(str(pid - 1))
+        p = _as_nobody(code, *args)
+        if p.pid == pid:
+            return p
+        p.kill()
+        p.wait()
+    pytest.skip(f"could not arrange pid {pid} (a busy machine forks in between)")
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_n3_a_process_holding_the_dead_agents_pid_and_name_gets_no_weights(tiny_models):
+    """The review's attack: the agent is SIGKILLed, nobody takes its pid and binds its name,
+    answers begin_write with a root-owned 0644 file outside the GPS folder (here: the
+    checkpoint the agent loaded) and a new root client would write the weights into it."""
+    folder = Path(tempfile.mkdtemp(prefix="pivotrl-ckpt-", dir="/tmp"))
+    try:
+        os.chmod(folder, 0o755)
+        shutil.copytree(tiny_models / "policy", folder / "policy")
+        target = folder / "policy" / "model.safetensors"
+        os.chmod(target, 0o644)                       # root's, readable by every account
+        before = _sha(target)
+        with local_agent({"policy": str(folder / "policy")}) as agent:
+            c = agent.client()
+            shard = c.read("policy", ParallelPlace(1, 0), layout="megatron")
+            c.close()
+            ctl = control.ControlBlock(control_path(agent.job, agent.node))
+            address = socket_address(agent.job, agent.node, ctl.token)
+            pid = ctl.agent_pid
+            agent.proc.kill()
+            agent.proc.wait()
+            attacker = _spawn_with_pid(pid, FAKE_AGENT, address.encode().hex(), str(target))
+            try:
+                assert int(attacker.stdout.readline()) == pid          # bound, listening
+                with pytest.raises(GPSUnavailable, match=f"pid {pid}.* is gone"):
+                    c = GPSClient(agent.job, agent.node, wait_s=1)
+                    c.write("policy", {n: t + 1 for n, t in shard.items()}, ParallelPlace(1, 0))
+                # Even were the start-time check fooled, the peer's uid is not the job's:
+                # the test (root) makes the record name the attacker's process.
+                ctl.mm[32:40] = struct.pack("<Q", control.start_time(pid))
+                with pytest.raises(GPSUnavailable, match=f"is pid {pid}, uid {NOBODY}, not "):
+                    GPSClient(agent.job, agent.node, wait_s=1)
+            finally:
+                ctl.close()
+                attacker.kill()
+                attacker.wait()
+        assert _sha(target) == before                 # not one weight written into it
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_n3_a_reply_naming_a_file_outside_the_folder_is_refused(tmp_path):
+    """The path check alone: a fake agent in this very process (so uid and pid pass) names a
+    file of root outside the folder in its begin_write reply."""
+    import threading
+
+    from pivotrl_hpc.gps import shmdir
+    job, node = f"fake{os.getpid()}", "n0"
+    outside = tmp_path / "elsewhere.safetensors"
+    outside.write_bytes(b"keep")
+    shmdir.ensure()
+    ctl = control.ControlBlock(control_path(job, node), create=True, token="t0k")
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(socket_address(job, node, "t0k"))
+    srv.listen(1)
+
+    def serve():
+        conn, _ = srv.accept()
+        f = conn.makefile("rwb")
+        for line in f:
+            op = line.split(b'"op": "')[1].split(b'"')[0].decode()
+            rep = (f'{{"op": "begin_write", "version": 1, "path": "{outside}"}}'
+                   if op == "begin_write" else f'{{"op": "{op}"}}')
+            f.write(rep.encode() + b"\n")
+            f.flush()
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        c = GPSClient(job, node, wait_s=1)
+        with pytest.raises(GPSUnavailable, match="named .*elsewhere.safetensors.* refused"):
+            c._expected(c._request({"op": "begin_write", "model": "policy"}, "begin_write"),
+                        "policy")
+        c.close()
+        assert outside.read_bytes() == b"keep"
+    finally:
+        srv.close()
+        ctl.close()
+        control_path(job, node).unlink()
+        shmdir.remove_if_unused()
+
+
+# ---- N4: socket-name squatting --------------------------------------------------------------
+SQUAT = r"""
+import socket, sys
+held = []
+for name in sys.argv[1:]:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind("\0" + name)
+    s.listen(1)
+    held.append(s)
+print(len(held), flush=True)
+sys.stdin.read()
+"""
+
+
+def _serve(tiny_models, job: str, env: dict | None = None, *pre: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, *pre, "gps", "serve", "--job", job, "--node",
+                             "n0", "--model", f"policy={tiny_models / 'policy'}"],
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
+
+
+def test_n4_predictable_names_squatted_by_nobody_do_not_stop_gps_serve(tiny_models):
+    job = f"sq{os.getpid()}"
+    names = [f"pivotrl-{job}-n0", f"pivotrl-u0-{job}-n0", f"pivotrl-u0-pivotrl-{job}-n0-"] + [
+        f"pivotrl-{job}-n{i}" for i in range(1, 198)]
+    squatter = _as_nobody(SQUAT, *names, stdin=subprocess.PIPE)
+    try:
+        assert int(squatter.stdout.readline()) == 200
+        agent = _serve(tiny_models, job, None, "-m", "pivotrl_hpc.cli.main")
+        try:
+            while not control_path(job, "n0").exists():
+                assert agent.poll() is None, agent.stderr.read()[-2000:]   # it must not die
+                time.sleep(0.05)
+            c = GPSClient(job, "n0", wait_s=120)
+            assert c.info()["node"] == "n0" and c.state("policy").current == 0
+            c.shutdown_agent()
+            c.close()
+            assert agent.wait(60) == 0, agent.stderr.read()[-2000:]
+        finally:
+            agent.kill()
+            agent.wait()
+    finally:
+        squatter.kill()
+        squatter.wait()
+
+
+NAMED_TOKEN = ("import sys; import pivotrl_hpc.gps.agent as a; a.new_token = lambda: 'squat'; "
+               "from pivotrl_hpc.cli.main import main; sys.exit(main(sys.argv[1:]))")
+
+
+def test_n4_a_name_already_bound_is_one_line_naming_its_owner_exit_2(tiny_models):
+    """The token cannot be guessed; to test the refusal the agent is given a known one (a
+    test-only patch of `new_token` in the agent's process) that nobody has bound."""
+    job = f"sq{os.getpid()}b"
+    name = socket_address(job, "n0", "squat")[1:]
+    squatter = _as_nobody(SQUAT, name, stdin=subprocess.PIPE)
+    try:
+        assert int(squatter.stdout.readline()) == 1
+        agent = _serve(tiny_models, job, None, "-c", NAMED_TOKEN)
+        err = agent.stderr.read()
+        assert agent.wait(120) == 2, err[-2000:]
+        assert "Traceback" not in err, err[-2000:]
+        lines = [x for x in err.splitlines() if x.startswith("pivotrl gps serve:")]
+        assert len(lines) == 1, err[-2000:]
+        assert f"@{name} is already bound by pid {squatter.pid}, uid {NOBODY} (nobody)" in \
+            lines[0], lines
+        assert not list(Path("/dev/shm").glob(f"pivotrl-u0/pivotrl-{job}-*"))
+    finally:
+        squatter.kill()
+        squatter.wait()
+
+
+# ---- the epilog and a folder swapped for a symlink -------------------------------------------
+SWAPPER = r"""
+import ctypes, os, sys, time
+libc = ctypes.CDLL(None, use_errno=True)
+a, b = sys.argv[1].encode(), sys.argv[2].encode()
+os.mkdir(a, 0o700)
+open(os.path.join(a, b"keep"), "w").close()   # not empty: the epilog's rmdir leaves it
+os.symlink(sys.argv[3], b)          # where root must never create anything
+print("ready", flush=True)
+n, end = 0, time.monotonic() + float(sys.argv[4])
+while time.monotonic() < end:
+    if libc.renameat2(-100, a, -100, b, 2) == 0:   # RENAME_EXCHANGE
+        n += 1
+print(n, flush=True)
+"""
+
+
+def test_the_epilog_creates_nothing_through_a_folder_swapped_for_a_symlink(tmp_path):
+    """The job's user (nobody) swaps its folder and a symlink to a path in a root-only
+    folder, back and forth, while root's epilog runs 150 times: the old `flock FILE` opened
+    with O_CREAT after the `-L` check and created the file."""
+    shm = _shared_root()
+    secret = tmp_path / "root-only"
+    secret.mkdir(mode=0o700)
+    try:
+        folder, link = shm / f"pivotrl-u{NOBODY}", shm / "swap"
+        swapper = _as_nobody(SWAPPER, str(folder), str(link), str(secret / "created"), "60")
+        assert swapper.stdout.readline().strip() == "ready"
+        env = {"PATH": os.environ["PATH"], "SLURM_JOB_ID": "4242", "SLURM_JOB_UID": str(NOBODY),
+               "PIVOTRL_SHM_DIR": str(shm)}
+        try:
+            for _ in range(150):
+                p = subprocess.run([str(ROOT / "slurm" / "epilog.sh")], env=env,
+                                   capture_output=True, text=True, timeout=30)
+                assert p.returncode == 0, p.stderr
+                if list(secret.iterdir()):
+                    break
+        finally:
+            swapper.kill()
+            swapper.wait()
+        assert not list(secret.iterdir()), "root created a file through the swapped folder"
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+# ---- a per-user folder squatted by another account --------------------------------------------
+def test_a_squatted_user_folder_is_one_line_naming_the_owner_and_nothing_in_it_is_swept(
+        tiny_models):
+    shm = _shared_root()
+    try:
+        job = f"sqf{os.getpid()}"
+        mine = shm / "pivotrl-u0"
+        planted = mine / f"pivotrl-{job}-n0-ctl"
+        # a 0700 folder of nobody, with a control file naming a live pid (1) inside it
+        plant = ("import os, struct, sys; os.mkdir(sys.argv[1], 0o700); "
+                 "open(sys.argv[2], 'wb').write(struct.pack('<QQQQQ', int(sys.argv[3]), 1, 1, 0,"
+                 " 0) + bytes(4096 - 40))")
+        p = _as_nobody(plant, str(mine), str(planted), str(control.MAGIC))
+        assert p.wait(30) == 0, p.stderr.read()
+        before = planted.read_bytes()
+        agent = _serve(tiny_models, job, {"PIVOTRL_SHM_DIR": str(shm)}, "-m",
+                       "pivotrl_hpc.cli.main")
+        err = agent.stderr.read()
+        assert agent.wait(120) == 2, err[-2000:]
+        assert "Traceback" not in err, err[-2000:]
+        lines = [x for x in err.splitlines() if x.startswith("pivotrl gps serve:")]
+        assert len(lines) == 1, err[-2000:]
+        assert f"{mine} is a folder of uid {NOBODY} (nobody) with mode 700" in lines[0]
+        assert "an administrator must remove it" in lines[0] and "PIVOTRL_SHM_DIR" in lines[0]
+        assert sorted(os.listdir(mine)) == [planted.name] and planted.read_bytes() == before
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
