@@ -264,15 +264,21 @@ def live_agent(path: Path) -> int | None:
         watch.close()
 
 
-def start_time(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot (/proc/<pid>/stat field 22): with
-    the pid, a name for one process that a recycled pid does not match; None if gone."""
+def _stat(pid: int) -> list[bytes] | None:
+    """/proc/<pid>/stat from field 3 (the state) on; None if the process is gone."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             raw = f.read()
     except OSError:
         return None
-    return int(raw[raw.rindex(b")") + 2:].split()[19])
+    return raw[raw.rindex(b")") + 2:].split()   # after the name, which may hold anything
+
+
+def start_time(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (/proc/<pid>/stat field 22): with
+    the pid, a name for one process that a recycled pid does not match; None if gone."""
+    fields = _stat(pid)
+    return None if fields is None else int(fields[19])
 
 
 _STATES = {"R": "running", "S": "sleeping", "D": "in uninterruptible I/O", "T": "stopped",
@@ -280,12 +286,10 @@ _STATES = {"R": "running", "S": "sleeping", "D": "in uninterruptible I/O", "T": 
 
 
 def process_state(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            raw = f.read()
-    except OSError:
+    fields = _stat(pid)
+    if fields is None:
         return "gone"
-    st = raw[raw.rindex(b")") + 2:][:1].decode()
+    st = fields[0].decode()
     return f"{st} ({_STATES.get(st, 'unknown state')})"
 
 
