@@ -124,11 +124,11 @@ class ParadigmConfig:
     shift_seconds_reward: float = 5.0
     shift_seconds_training: float = 8.0
     planner_interval_s: float = 5.0
-    # Shift-up migration loop (sched/migration.py): "least_loss" (source: the replica whose
-    # shortest sequence costs it the least throughput; stops when no replica has an
-    # improving move) or "paper" (Algorithm 4 as stated: the max-throughput replica as
-    # source, stop at its first non-improving move; an ablation)
-    migration: Literal["least_loss", "paper"] = "least_loss"
+    # Shift-up migration loop (sched/migration.py): "paper" (Algorithm 4 as stated: the
+    # max-throughput replica as source, stop at its first non-improving move) or
+    # "least_loss" (source: the replica whose shortest sequence costs it the least
+    # throughput; stops only when no replica has an improving move). NOTES compares them.
+    migration: Literal["paper", "least_loss"] = "paper"
     rule_high_kv: float = 0.8    # rule-based ablation: shift up above this KV utilisation
     rule_low_kv: float = 0.1     # ... and shift down below this one
     # Initial (and, for fixed paradigms, permanent) devices per role.

@@ -12,7 +12,7 @@ Where the pseudocode leaves room: Dispatch keeps going past a sequence that fits
 evaluates a migration before doing it and stops without doing the one that would not raise
 aggregate throughput, so the result is never below the start, and it stops after at most
 N^Seq migrations (the bound of appendix C.2). Shift-up migration runs one of the loops of
-sched.migration: Algorithm 4 as the paper states it ("paper") or the default "least_loss".
+sched.migration: Algorithm 4 as the paper states it ("paper", the default) or "least_loss".
 """
 from __future__ import annotations
 
