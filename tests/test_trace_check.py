@@ -266,3 +266,22 @@ def test_a_resumed_segment_passes(tmp_path):
     assert [s["step"] for s in rows["steps"]] == [4, 5] and summary["steps"] == 6
     for path in (full, resumed):
         assert all(r.ok for r in check(path)), [r.line() for r in check(path) if not r.ok]
+
+
+@pytest.mark.parametrize("plan_1_at, ok", [(5.0, True), (6.1, False)])
+def test_a_device_up_before_the_row_of_its_multi_device_down(tmp_path, plan_1_at, ok):
+    """Devices 2-3 (a TP=2 reward replica) shift down for rollout on device 2: device 2
+    answers first and is up (row at 6.0) before device 3's answer writes the down row
+    (6.2). Allowed when the down's plan started before the up ended, not otherwise."""
+    from pivotrl_hpc.trace.check import roles
+
+    path = tmp_path / "tp2.h5"
+    with TraceWriter(path, {}) as w:
+        for plan_id, t in ((0, 0.0), (1, plan_1_at)):
+            w.append("planner", t=t, plan_id=plan_id, executed=1)
+        w.append("shifts", t=1.0, plan_id=0, direction="up", role="reward", devices="2,3")
+        w.append("shifts", t=6.0, plan_id=1, direction="up", role="rollout", devices="2")
+        w.append("shifts", t=6.2, plan_id=1, direction="down", role="reward", devices="2,3")
+        w.append("shifts", t=7.0, plan_id=1, direction="down", role="rollout", devices="2")
+    rows, meta, summary, schema = read(path)
+    assert (roles(rows, meta, summary, schema) == []) == ok

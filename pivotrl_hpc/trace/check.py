@@ -276,17 +276,42 @@ def _admission_versions(rows) -> list[str]:
 
 def roles(rows, meta, summary, _schema) -> list[str]:
     """A device holds one role at a time: shifted up only when idle, down only from the
-    role it holds (shifts rows in the order written)."""
+    role it holds (shifts rows in the order written). A multi-device shift down's row comes
+    when its last device answered; a device that answered first may be up in its next role
+    before it: allowed when that down's plan started before the up ended."""
+    shifts = rows["shifts"]
+    plan_t = {p["plan_id"]: p["t"] for p in rows["planner"]}
     held: dict[int, str] = {}
+    early: set[tuple[int, int]] = set()   # (row index of a down, device) already let go
     out = []
-    for s in rows["shifts"]:
+    for i, s in enumerate(shifts):
         for d in devices_of(s["devices"]):
             now = held.get(d, "")
+            if s["direction"] == "down" and (i, d) in early:
+                continue
+            if s["direction"] == "up" and now:
+                j = _releasing_down(shifts, i, d, now, plan_t)
+                if j is not None:
+                    early.add((j, d))
+                    now = ""
             if s["direction"] == "up" and now or s["direction"] == "down" and now != s["role"]:
                 out.append(f"device {d}: shift {s['direction']} {s['role']} at {s['t']:.3f} "
                            f"while it holds {now or 'nothing'}")
             held[d] = s["role"] if s["direction"] == "up" else ""
     return out
+
+
+def _releasing_down(shifts: list[dict], i: int, device: int, role: str,
+                    plan_t: dict[int, float]) -> int | None:
+    """The later row of the shift down of `role` on `device` whose plan started before
+    row `i` (an up on that device) ended, if any."""
+    for j in range(i + 1, len(shifts)):
+        s = shifts[j]
+        if device in devices_of(s["devices"]):
+            ok = (s["direction"] == "down" and s["role"] == role
+                  and plan_t.get(s["plan_id"], math.inf) <= shifts[i]["t"])
+            return j if ok else None
+    return None
 
 
 def figures(rows, meta, summary, _schema) -> list[str]:
