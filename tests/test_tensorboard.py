@@ -8,7 +8,7 @@ import struct
 from pathlib import Path
 
 import pytest
-from live_util import model_overrides
+from live_util import assert_trace_ok, model_overrides
 
 from pivotrl_hpc.config import load_config
 from pivotrl_hpc.trace import TraceWriter, open_trace
@@ -92,6 +92,7 @@ def test_a_simulated_run_writes_the_tensorboard_of_its_steps(tiny_models, tmp_pa
     with open_trace(str(path)) as t:
         steps = t.table("steps")
     assert sorted(got) == [int(s) for s in steps["step"]] == [0, 1, 2]
+    assert_trace_ok(path)
     for i, step in enumerate(steps["step"]):
         want = float(steps["reward_mean"][i])
         assert math.isclose(got[int(step)]["steps/reward_mean"], want, rel_tol=1e-6)
