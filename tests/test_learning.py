@@ -1,10 +1,16 @@
 """The loop learns, and shifting does not change what is learned (paper §8.7, Figure 15).
 
-configs/learn-cpu.yaml (1 node x 3 capped devices, TP=1): 20 GRPO steps of the tiny policy
-through `pivotrl run` under colocated, disaggregated and shiftable. The verifiable reward
-pays for digits (controller/task.py); a policy whose rollout never receives the trained
-weights (training -> GPS Write -> rollout Reload) stays at the random policy's ~0.02.
-Each run ~3-5 min on 2 cores.
+configs/learn-cpu.yaml (1 node x 4 capped devices, TP=1): 20 GRPO steps of the tiny policy
+through `pivotrl run` under colocated, disaggregated and shiftable, on the init-models
+DAPO-schema parquet with chat-templated prompts and the tiny GenRM's judgement. The reward is
+0.5 (R_verifiable + R_GenRM) with the arithmetic compute_score
+(pivotrl_hpc/task/arithmetic.py, in [0, 1]: 1 for the right number, else the response's
+fraction of digit characters) and the GenRM's parsed yes/no (in [0, 1], mostly unparsed: 0),
+so the reward lies in [0, 1] and the threshold stays a rise of 0.2. With DAPO's +1/-1 the
+same halved reward would lie in [-0.5, 1] and a random policy sits at -0.5 with no variance
+in a group (no GRPO signal), so learn-cpu does not use it. A policy whose rollout never
+receives the trained weights (training -> GPS Write -> rollout Reload) stays at the random
+policy's ~0.01. Each run ~3-5 min on 2 cores.
 """
 from __future__ import annotations
 

@@ -5,6 +5,7 @@ starts) with the key to fix."""
 from __future__ import annotations
 
 import json
+import random
 import shutil
 from pathlib import Path
 
@@ -54,6 +55,10 @@ def test_r_dapo_and_the_judge_prompt_of_a_long_response(built):
     assert len(ids) <= cfg.models.genrm.max_prompt_len
     judge_text = task.genrm.tok.decode(ids)
     assert f"Answer: {p.answer}" in judge_text and "Correct? Answer yes or no." in judge_text
+    rng = random.Random(0)   # random tokens re-encode up to 3x longer: still cut to fit
+    for _ in range(200):
+        response = [rng.randrange(512) for _ in range(rng.randrange(1, 64))]
+        assert len(task.judge_prompt(p, response)) <= cfg.models.genrm.max_prompt_len
     empty = task.score(p, right, [])
     assert (empty.genrm, empty.parsed) == (0.0, False)   # no judgement: the default, counted
 
@@ -64,7 +69,11 @@ def test_overlong_prompts_are_filtered_and_counted_or_rejected(tiny_models, capl
     kept = [pid for pid in task.records if pid >= 0]
     assert 0 < task.filtered["train"] < 64 and len(kept) == 64 - task.filtered["train"]
     assert {p.pid for p in train} <= set(kept)
-    assert "longer than models.policy.max_prompt_len=24 tokens and were left out" in caplog.text
+    assert "longer than models.policy.max_prompt_len=24 or models.genrm.max_prompt_len=96 " \
+        "tokens and were left out" in caplog.text
+    e = error(tiny_models, ["models.genrm.max_prompt_len=50", "data.overlong=reject"])
+    assert e.key == "data.train" and "before any response, over models.genrm.max_prompt_len" \
+        in str(e)
     e = error(tiny_models, ["models.policy.max_prompt_len=24", "data.overlong=reject"])
     assert e.key == "data.train" and "the rendered prompt has 25 tokens, over " \
         "models.policy.max_prompt_len=24" in str(e)

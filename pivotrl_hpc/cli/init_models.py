@@ -1,5 +1,6 @@
-"""`pivotrl init-models DIR`: tiny policy, tiny GenRM (of a chosen architecture), tokenizer and
-the math dataset."""
+"""`pivotrl init-models DIR`: tiny policy, tiny GenRM (of a chosen architecture), their
+byte-level BPE tokenizer with a chat template, and the synthetic math set as a DAPO-schema
+train.parquet and an AIME-schema aime-style.parquet (data/)."""
 from __future__ import annotations
 
 import argparse

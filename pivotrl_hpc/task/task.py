@@ -52,6 +52,11 @@ class RLTask:
         self.judge_overhead = len(self.genrm.ids([{"role": "user", "content": fill(
             self.template, "", "", "")}]))
         self.max_judge = cfg.models.genrm.max_prompt_len
+        if self.judge_overhead >= self.max_judge:
+            raise TaskError("models.genrm.max_prompt_len",
+                            f"{self.max_judge}: the judge template "
+                            f"({cfg.reward.genrm_template}) alone renders to "
+                            f"{self.judge_overhead} tokens; raise it")
 
     # --- data ------------------------------------------------------------------------------
     def records_of(self, split: str) -> list[D.Record]:
@@ -71,31 +76,42 @@ class RLTask:
             raise TaskError(key, str(e)) from None
 
     def load(self, split: str, limit: int | None = None) -> list[PromptData]:
-        """The split's prompts, rendered; overlong ones filtered (counted) or rejected."""
-        cap = self.cfg.models.policy.max_prompt_len
+        """The split's prompts, rendered; overlong ones filtered (counted) or rejected. A
+        prompt is overlong past models.policy.max_prompt_len, or when its judge prompt with
+        an empty response is past models.genrm.max_prompt_len (it could never be judged)."""
         out, dropped = [], []
         for rec in self.records_of(split)[:limit]:
             ids = self.policy.ids(rec.chat())
-            if len(ids) > cap:
+            over = self._overlong(rec, len(ids))
+            if over:
                 if self.cfg.data.overlong == "reject":
                     raise TaskError(f"data.{split}", f"{self._where(split)} row {rec.row}: "
-                                    f"the rendered prompt has {len(ids)} tokens, over "
-                                    f"models.policy.max_prompt_len={cap} (data.overlong: "
-                                    "filter drops such prompts)")
+                                    f"{over} (data.overlong: filter drops such prompts)")
                 dropped.append(rec.row)
                 continue
             pid = rec.row if split == "train" else VALIDATION_PID - rec.row
             self.records[pid] = rec
             out.append(PromptData(pid, tuple(ids), rec.problem, rec.answer))
         self.filtered[split] = len(dropped)
+        caps = (f"models.policy.max_prompt_len={self.cfg.models.policy.max_prompt_len} or "
+                f"models.genrm.max_prompt_len={self.max_judge}")
         if dropped:
-            log.warning("%s: %d of %d prompts are longer than models.policy.max_prompt_len=%d "
-                        "tokens and were left out (first: row %d)", self._where(split),
-                        len(dropped), len(dropped) + len(out), cap, dropped[0])
+            log.warning("%s: %d of %d prompts are longer than %s tokens and were left out "
+                        "(first: row %d)", self._where(split), len(dropped),
+                        len(dropped) + len(out), caps, dropped[0])
         if not out:
-            raise TaskError(f"data.{split}", f"{self._where(split)}: no prompt fits "
-                            f"models.policy.max_prompt_len={cap}")
+            raise TaskError(f"data.{split}", f"{self._where(split)}: no prompt fits {caps}")
         return out
+
+    def _overlong(self, rec: D.Record, n: int) -> str | None:
+        cap = self.cfg.models.policy.max_prompt_len
+        if n > cap:
+            return f"the rendered prompt has {n} tokens, over models.policy.max_prompt_len={cap}"
+        judge = len(self._judge_ids(rec, ""))
+        if judge > self.max_judge:
+            return (f"its judge prompt has {judge} tokens before any response, over "
+                    f"models.genrm.max_prompt_len={self.max_judge}")
+        return None
 
     def _where(self, split: str) -> str:
         return "the synthetic set" if self.cfg.data.format == "synthetic" else \
@@ -108,33 +124,27 @@ class RLTask:
 
     # --- reward ----------------------------------------------------------------------------
     def dry_check(self, prompt: PromptData) -> None:
-        """Load compute_score and call it once; render one judge prompt."""
+        """Load compute_score and call it once, on the first prompt's row."""
         rec = self.records[prompt.pid]
         self.scorer = load_scorer(self.cfg.reward.verifiable,
                                   (rec.data_source, "Answer: 0", rec.answer, rec.extra_info))
-        if self.judge_overhead >= self.max_judge:
-            raise TaskError("models.genrm.max_prompt_len",
-                            f"{self.max_judge}: the judge template "
-                            f"({self.cfg.reward.genrm_template}) alone renders to "
-                            f"{self.judge_overhead} tokens; raise it")
 
     def text(self, response_ids: Sequence[int]) -> str:
         return self.policy.decode(response_ids)
 
     def judge_prompt(self, prompt: PromptData, response_ids: Sequence[int]) -> list[int]:
         """The GenRM's prompt; a response too long for models.genrm.max_prompt_len keeps its
-        tail (where the answer is)."""
+        tail (where the answer is). Always fits: `load` left out the rows whose judge prompt
+        does not fit with an empty response."""
         rec = self.records[prompt.pid]
         response = self.text(response_ids)
         ids = self._judge_ids(rec, response)
-        if len(ids) > self.max_judge:
-            cut = self.genrm.encode(response)
-            keep = len(cut) - (len(ids) - self.max_judge) - 2   # re-encoding may differ a bit
+        cut = self.genrm.encode(response)
+        keep = len(cut)
+        while len(ids) > self.max_judge and keep > 0:
+            # a cut text can re-encode longer (a split character decodes to U+FFFD, 3 bytes)
+            keep -= max(1, len(ids) - self.max_judge)
             ids = self._judge_ids(rec, self.genrm.decode(cut[-keep:]) if keep > 0 else "")
-        if len(ids) > self.max_judge:
-            raise TaskError("models.genrm.max_prompt_len",
-                            f"{self.max_judge} tokens do not hold the judge prompt of row "
-                            f"{rec.row} even with its response cut")
         return ids
 
     def _judge_ids(self, rec: D.Record, response: str) -> list[int]:
