@@ -33,7 +33,12 @@ REFUSALS = {
     "missing_config": (["--gres=gpu:4"], "no-such.yaml", [], {},
                        "config file 'no-such.yaml' not found"),
     "python_without_package": (["--gres=gpu:4"], LEARN, [], {"PIVOTRL_PYTHON": "/usr/bin/python3"},
-                               "'/usr/bin/python3' cannot import pivotrl_hpc"),
+                               "'/usr/bin/python3' cannot import: pivotrl_hpc mpi4py"),
+    # submitted from a checkout without the venv: pivotrl_hpc imports from the submit dir,
+    # mpi4py, vLLM and Megatron do not (every rank died at import, in srun.log only)
+    "checkout_without_venv": (["--gres=gpu:4"], LEARN, [], {"PIVOTRL_PYTHON": "/usr/bin/python3"},
+                              "cannot import: pivotrl_hpc mpi4py torch vllm megatron.core. "
+                              "Activate the venv before sbatch"),
     "bad_config_key": (["--gres=gpu:4"], LEARN, ["rl.stpes=3"], {}, "rl.stpes"),
 }
 
@@ -44,6 +49,8 @@ def refused(slurm_cluster, tiny_models, tmp_path_factory):
     jobs = {}
     for name, (args, config, extra, env, _) in REFUSALS.items():
         folder = tmp_path_factory.mktemp(name)
+        if name == "checkout_without_venv":
+            (folder / "pivotrl_hpc").symlink_to(ROOT / "pivotrl_hpc")
         jobs[name] = (submit_pivot(slurm_cluster, folder, [*args, "--time=1"], config,
                               [*model_overrides(tiny_models), *extra], **env), folder)
     return {name: (job, wait_job(slurm_cluster, job, folder / "job.out", timeout=120))
