@@ -6,7 +6,9 @@ sequences while aggregate throughput rises. `RoleReplay` does it on a copy of th
 Scheduler; `FastRole` (plan.simulate, the default) reaches the same floats for far less. The
 shift-up result depends only on how many replicas come up (§7.2), so it is cached per
 count; shift-down results are cached per set. Overall throughput is the weighted harmonic
-mean of Eq. (1).
+mean of Eq. (1). Each replay also returns the tokens it moved between replicas: every one
+is prefilled again where it lands, which `Estimate.migration_cost` charges at the role's
+`prefill` seconds a token and its throughput per replica afterwards (issue 41).
 """
 from __future__ import annotations
 
