@@ -141,12 +141,13 @@ def test_sigterm_with_a_grace_time_checkpoints_the_running_step_and_resumes(tiny
     """A preemption's SIGTERM (here to the launcher, which passes it to every rank, as Slurm
     signals every task) with `rl.preempt_grace_s`: no periodic checkpoint, yet the job writes
     one after the step it was running, stops as stopped by SIGTERM, and the next start
-    resumes from exactly there and finishes."""
+    resumes from exactly there and finishes. Colocated: every step after the resume shifts
+    the restored trainer down and up again (that crashed on the first one, issue 36)."""
     from pivotrl_hpc.checkpoint.layout import latest, root_for, segments
     from pivotrl_hpc.cli.bench_soak import steps_done
 
     trace = tmp_path / "run" / "run.h5"
-    extra = ["rl.checkpoint_every=0", "rl.preempt_grace_s=90"]
+    extra = ["rl.checkpoint_every=0", "rl.preempt_grace_s=90", "paradigm.name=colocated"]
     cmd = [sys.executable, "-m", "pivotrl_hpc.cli.main", "run",
            str(ROOT / "configs" / "learn-cpu.yaml"), *model_overrides(tiny_models),
            f"trace.path={trace}", *OVERRIDES, *extra]
@@ -174,3 +175,9 @@ def test_sigterm_with_a_grace_time_checkpoints_the_running_step_and_resumes(tiny
     assert [r["step"] for r in rows] == list(range(STEPS)), rows   # none lost or trained twice
     assert_trace_ok(*segments(trace))
     assert f"resumed from {ckpt}" in again.stdout + again.stderr
+    from pivotrl_hpc.trace import open_trace
+    with open_trace(str(segments(trace)[1])) as t:
+        shifts = t.table("shifts")
+        assert t.meta["paradigm"] == "colocated"
+    downs = [r for r, d in zip(shifts["role"], shifts["direction"]) if d == "down"]
+    assert "training" in downs, downs      # the restored trainer shifted down (and back up)
