@@ -84,7 +84,7 @@ class Reporter:
         if tokens and role != TRAINING and self.first_token_t is None:
             self.first_token_t = now
         self.trace.append("work", t=now, role=role, replica=replica,
-                          devices=",".join(map(str, devices)), seconds=seconds,
+                          devices=len(devices), seconds=seconds,
                           engine_s=engine_s, tokens=tokens, first=int(first))
 
     def step_timing(self, role: str, devices: tuple[int, ...], wall_s: float,

@@ -139,6 +139,6 @@ def summary(rows: dict[str, list[dict]], meta: dict[str, Any]) -> dict[str, Any]
                                     and end > first_token else None),
         })
         if n and end > 0:
-            busy = sum(r["seconds"] * len(devices_of(r["devices"])) for r in work)
+            busy = sum(r["seconds"] * r["devices"] for r in work)
             out["idle_fraction"] = max(0.0, 1.0 - busy / (n * end))
     return out

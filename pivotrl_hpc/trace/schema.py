@@ -54,7 +54,7 @@ TABLES: dict[str, dict[str, str]] = {
     },
     "events": {"t": "float", "kind": SHORT, "message": MESSAGE},
     "work": {
-        "t": "float", "role": NAME, "replica": NAME, "devices": DEVICES, "seconds": "float",
+        "t": "float", "role": NAME, "replica": NAME, "devices": "int", "seconds": "float",
         "engine_s": "float", "tokens": "int", "first": "int",
     },
     "reloads": {"t": "float", "replica": NAME, "devices": DEVICES, "version": "int",
