@@ -18,7 +18,8 @@ PAPER_CONFIG = "configs/qwen2.5-7b_qwen3-30b-a3b.yaml"
 HELP = {
     ("run",): ["config", "overrides", "--dry-run"],
     ("submit",): ["config", "overrides", "--nodes", "--gpus-per-node", "--partition", "--time",
-                  "--account", "--runs-root", "--wait"],
+                  "--account", "--constraint", "--runs-root", "--wait"],
+    ("resume",): ["RUN_FOLDER", "overrides", "--partition", "--time", "--wait"],
     ("plan",): ["snapshot", "--json", "--policy", "--horizon", "--tau-shift", "--workers"],
     ("bench",): ["planner", "dispatch", "gps", "shift", "e2e", "sim"],
     ("bench", "planner"): ["--gpus", "--repeats", "--training", "--workers", "--json"],

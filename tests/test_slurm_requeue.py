@@ -13,6 +13,11 @@
 - `pivotrl_hpc.submit`: submitit's timeout signal (USR2 to the batch step) calls
   `PivotJob.checkpoint`, which has the controller checkpoint; submitit requeues; the job
   resumes and `job.result()` is the summary of the whole run.
+
+The submitit job runs shiftable, the sbatch and preempted ones colocated: after a restart
+training shifts down again (a restored trainer whose state could not be freed crashed there,
+issue 36; colocated shifts it down every step, shiftable when the planner gives its device
+to rollout), and every step of every segment trains its batch within the staleness bound.
 """
 from __future__ import annotations
 
@@ -26,8 +31,8 @@ from slurm_util import ROOT, job_segments, submit_pivot, wait_job
 pytestmark = pytest.mark.slurm
 LEARN = str(ROOT / "configs" / "learn-cpu.yaml")
 STEPS = 6
-OVERRIDES = [f"rl.steps={STEPS}", "rl.checkpoint_every=2", "rl.batch_size=4",
-             "paradigm.name=disaggregated"]
+OVERRIDES = [f"rl.steps={STEPS}", "rl.checkpoint_every=2", "rl.batch_size=4"]
+PER_STEP = 4 * 4     # rl.batch_size x learn-cpu's rl.group_size
 
 
 class SkipRequeueDelay:
@@ -109,9 +114,14 @@ def _check_segments(trace: Path, n: int) -> list[dict]:
         with open_trace(str(path)) as t:
             meta, st = t.meta, t.table("steps")
             events = list(zip(t.table("events")["kind"], t.table("events")["message"]))
+            down = [r for r, d in zip(t.table("shifts")["role"], t.table("shifts")["direction"])
+                    if r == "training" and d == "down"]
         steps |= {int(s) for s in st["step"]}
         assert bool(meta["resumed_from"]) == (i > 0)
-        out.append({"meta": meta, "steps": [int(s) for s in st["step"]], "events": events})
+        assert list(st["samples"]) == [PER_STEP] * len(st["step"]) and \
+            (len(st["step"]) == 0 or int(st["max_lag"].max()) <= 2), (i, st)
+        out.append({"meta": meta, "steps": [int(s) for s in st["step"]], "events": events,
+                    "training_down": len(down)})
     assert steps == set(range(STEPS))
     return out
 
@@ -125,7 +135,7 @@ def test_sbatch_job_requeued_mid_run_and_by_the_time_limit_signal_completes(
         slurm_cluster, tiny_models, tmp_path):
     folder = tmp_path / "job"
     job = submit_pivot(slurm_cluster, folder, ["--gres=gpu:4", "--time=30"], LEARN,
-                       [*model_overrides(tiny_models), *OVERRIDES])
+                       [*model_overrides(tiny_models), *OVERRIDES, "paradigm.name=colocated"])
     run = folder / "runs" / f"pivotrl-{job}"
     trace, ckpts = run / "learn-cpu.h5", run / "learn-cpu.checkpoints"
     skip = SkipRequeueDelay(slurm_cluster, job)
@@ -145,6 +155,8 @@ def test_sbatch_job_requeued_mid_run_and_by_the_time_limit_signal_completes(
     first = (logs / "start-1" / "rank-0.log").read_text()
     assert "controller stopped by SIGTERM" in first, first[-3000:]
     segs = _check_segments(trace, 3)
+    assert segs[0]["meta"]["paradigm"] == "colocated"
+    assert segs[1]["training_down"] >= 1, segs        # shifted down after resuming
     assert any(kind == "checkpoint" for kind, _ in segs[1]["events"])
     # the signal's checkpoint is the one the third start resumed from
     assert Path(segs[2]["meta"]["resumed_from"]).name == f"step-{segs[1]['steps'][-1] + 1:06d}"
@@ -159,7 +171,8 @@ def test_preempted_job_checkpoints_in_its_grace_time_is_requeued_and_resumes_the
     folder = tmp_path / "job"
     job = submit_pivot(slurm_cluster, folder, ["--gres=gpu:4", "--time=30", "-w", "n1"],
                        LEARN, [*model_overrides(tiny_models), *OVERRIDES,
-                               "rl.checkpoint_every=0", "rl.preempt_grace_s=90"])
+                               "rl.checkpoint_every=0", "rl.preempt_grace_s=90",
+                               "paradigm.name=colocated"])
     run = folder / "runs" / f"pivotrl-{job}"
     skip = SkipRequeueDelay(slurm_cluster, job)
     try:
@@ -180,6 +193,7 @@ def test_preempted_job_checkpoints_in_its_grace_time_is_requeued_and_resumes_the
         res.output, res.output[-3000:]
     assert _restarts(slurm_cluster, job) == 1
     segs = _check_segments(run / "learn-cpu.h5", 2)
+    assert segs[0]["meta"]["paradigm"] == "colocated" and segs[1]["training_down"] >= 1
     # the grace-time checkpoint is the one the second start resumed from
     assert Path(segs[1]["meta"]["resumed_from"]).name == f"step-{segs[0]['steps'][-1] + 1:06d}"
     assert job_segments(job) == []
@@ -205,6 +219,7 @@ def test_submitit_timeout_signal_checkpoints_and_requeues(slurm_cluster, tiny_mo
     assert summary["steps"] == STEPS and summary["job_id"] == job.job_id
     segs = _check_segments(trace, 2)
     assert Path(segs[1]["meta"]["resumed_from"]).name.startswith("step-")
+    assert segs[1]["training_down"] >= 1
     assert _restarts(slurm_cluster, job.job_id) == 1
     assert job_segments(job.job_id) == []
 

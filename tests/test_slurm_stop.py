@@ -1,10 +1,14 @@
 """The RL job under Slurm stops cleanly and says so: `scancel` mid-run and a job that reaches
-its `--time` limit (trace readable, no segment in /dev/shm, no rank left, `sacct` state), and
-`pivotrl_hpc.submit` from Python (the summary from `job.result()`, a broken config's error)."""
+its `--time` limit (trace readable, no segment in /dev/shm, no rank left, no error logged,
+`sacct` state), and the cancelled run continued by `pivotrl resume`; `pivotrl submit` and
+`pivotrl_hpc.submit` (submitit): the summary of a two-node job from `--wait`, refusals
+before anything is queued, a broken config's error, a failing rank named."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -14,6 +18,8 @@ from slurm_util import ROOT, job_segments, sacct_states, submit_pivot, wait_job
 
 pytestmark = pytest.mark.slurm
 LEARN = str(ROOT / "configs" / "learn-cpu.yaml")
+TWO_NODES = ["cluster.nodes=2", "cluster.devices_per_node=2"]   # learn-cpu's 4 devices
+CANCELLED = ["rl.steps=5", "rl.checkpoint_every=2"]
 
 
 def _sequence_events(trace: Path) -> int:
@@ -36,21 +42,23 @@ def _ranks_left(job: str) -> list[str]:
 @pytest.fixture(scope="module")
 def stopped(slurm_cluster, tiny_models, tmp_path_factory):
     """Two 1-node jobs at once (they share the machine: fine for stopping, not for speed):
-    one hits --time=1, the other is cancelled once its trace shows rollout under way."""
-    overrides = [*model_overrides(tiny_models), "rl.steps=200"]
+    one hits --time=1, the other (shiftable, checkpoints every 2 steps) is cancelled once its
+    first checkpoint is whole, rollout well under way."""
     out = {}
     # --no-requeue: the time-limit signal (sent at once: the limit is shorter than its lead)
     # asks for a checkpoint only, and the job runs into its limit
-    for name, limit in (("timeout", "--time=1"), ("cancel", "--time=10")):
+    for name, limit, extra in (("timeout", "--time=1", ["rl.steps=200"]),
+                               ("cancel", "--time=10", CANCELLED)):
         folder = tmp_path_factory.mktemp(name)
         job = submit_pivot(slurm_cluster, folder, ["--gres=gpu:4", limit, "--no-requeue"],
-                           LEARN, overrides)
+                           LEARN, [*model_overrides(tiny_models), *extra])
         out[name] = {"job": job, "folder": folder,
                      "trace": folder / "runs" / f"pivotrl-{job}" / "learn-cpu.h5"}
     c = out["cancel"]
-    deadline = time.monotonic() + 300
-    while _sequence_events(c["trace"]) < 1 and time.monotonic() < deadline:
-        time.sleep(1)
+    first = c["trace"].with_suffix(".checkpoints") / "step-000002" / "COMPLETE"
+    deadline = time.monotonic() + 600
+    while not first.exists() and time.monotonic() < deadline:
+        time.sleep(0.5)
     c["events_at_cancel"] = _sequence_events(c["trace"])
     slurm_cluster.run("scancel", c["job"])
     for r in out.values():
@@ -72,10 +80,50 @@ def test_a_stopped_job_leaves_a_readable_trace_and_nothing_behind(stopped, slurm
         assert t.meta["paradigm"] == "shiftable"
     assert any("stopped by SIGTERM" in m for m in events), events
     assert job_segments(r["job"]) == [] and _ranks_left(r["job"]) == []
+    # an orderly stop logs no error (every device "did not answer Shutdown within 5 s")
+    logs = r["trace"].with_suffix(".logs")
+    errors = [line for f in sorted(logs.glob("rank-*.log")) for line in
+              f.read_text(errors="replace").splitlines() if " ERROR " in line]
+    assert not errors, errors[:5]
 
 
 def test_scancel_came_mid_run(stopped):
     assert stopped["cancel"]["events_at_cancel"] >= 1
+
+
+def test_pivotrl_resume_continues_a_cancelled_run_in_its_folder(stopped, submitit_env,
+                                                                  slurm_cluster):
+    """`pivotrl resume runs/pivotrl-ID` (relative to the submit dir, as the user types it):
+    the next segment in the same run folder, from the newest checkpoint, every step trained
+    once, training shifted down again after the resume; a half-written checkpoint the
+    cancel left is removed."""
+    from pivotrl_hpc.checkpoint.layout import latest, root_for, segments
+    from pivotrl_hpc.trace import open_trace
+
+    c = stopped["cancel"]
+    run, root = c["trace"].parent, root_for(c["trace"])
+    ckpt = latest(root)
+    at = json.loads((ckpt / "state.json").read_text())["step"]
+    (root / ".step-000009.tmp" / "optim").mkdir(parents=True)    # cancelled mid-write
+    p = _pivotrl("resume", str(run.relative_to(c["folder"])), "--wait", cwd=c["folder"])
+    assert p.returncode == 0, p.stdout + p.stderr[-3000:]
+    summary = json.loads(p.stdout.splitlines()[-1])
+    assert summary["steps"] == 5 and Path(summary["run_folder"]) == run
+    parts = segments(c["trace"])
+    assert [x.name for x in parts] == ["learn-cpu.h5", "learn-cpu.seg1.h5"]
+    steps = []
+    for part in parts:
+        with open_trace(str(part)) as t:
+            steps.append([int(s) for s in t.table("steps")["step"]])
+            shifts = t.table("shifts")
+            resumed = t.meta["resumed_from"]
+    assert Path(resumed).name == ckpt.name
+    # the resumed segment trains every step from the checkpoint's on, once
+    assert steps[1] == list(range(at, 5))
+    assert set(steps[0]) | set(steps[1]) == set(range(5)), steps
+    assert ("training", "down") in set(zip(shifts["role"], shifts["direction"]))
+    assert not list(root.glob(".step-*.tmp"))
+    assert sorted(x.name for x in run.parent.iterdir()) == [run.name, "submitit"]  # no new run
 
 
 # ---- submitit -------------------------------------------------------------------------------
@@ -85,16 +133,28 @@ def submitit_env(slurm_cluster, monkeypatch):
         monkeypatch.setenv(k, slurm_cluster.env[k])
 
 
-def test_submit_from_python_returns_the_summary(submitit_env, tiny_models, tmp_path):
-    import pivotrl_hpc
+def _pivotrl(*args: str, cwd: Path, timeout: float = 900) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pivotrl_hpc.cli.main", *args],
+                          capture_output=True, text=True, timeout=timeout, cwd=cwd)
 
-    job = pivotrl_hpc.submit(LEARN, [*model_overrides(tiny_models), "rl.steps=1"],
-                             runs_root=tmp_path / "runs", time=10)
-    summary = job.result()
-    assert summary["steps"] == 1 and summary["job_id"] == job.job_id
-    assert Path(summary["run_folder"]) == tmp_path / "runs" / f"pivotrl-{job.job_id}"
-    assert Path(summary["trace"]).is_file() and summary["tokens_per_s"] > 0
-    assert job_segments(job.job_id) == []
+
+def test_pivotrl_submit_wait_on_two_nodes_prints_the_summary(submitit_env, tiny_models,
+                                                             tmp_path, slurm_cluster):
+    """Two nodes: submitit waits for the batch step's one result (it waited for one per node,
+    and a completed job "failed"); no --time: a day, said at submit, not submitit's 5 min."""
+    p = _pivotrl("submit", LEARN, *model_overrides(tiny_models), *TWO_NODES, "rl.steps=1",
+                 "--wait", "--runs-root", str(tmp_path / "runs"), cwd=tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr[-3000:]
+    first, summary = p.stdout.splitlines()[0], json.loads(p.stdout.splitlines()[-1])
+    job = first.split()[2].rstrip(";")
+    assert "time limit 24:00:00 (the default; --time sets it); 120 s before it the job " \
+           "checkpoints and requeues itself" in first
+    info = slurm_cluster.run("scontrol", "show", "job", "-o", job).stdout
+    assert "TimeLimit=1-00:00:00" in info and "NumNodes=2" in info
+    assert summary["steps"] == 1 and summary["job_id"] == job and summary["tokens_per_s"] > 0
+    assert Path(summary["run_folder"]) == tmp_path / "runs" / f"pivotrl-{job}"
+    assert Path(summary["trace"]).is_file()
+    assert job_segments(job) == []
 
 
 def test_submit_of_a_broken_config_raises_with_its_error(submitit_env, tiny_models, tmp_path):
@@ -112,24 +172,32 @@ def test_submit_of_a_broken_config_raises_with_its_error(submitit_env, tiny_mode
 
 
 def test_pivotrl_submit_refuses_before_queueing(submitit_env, tiny_models, tmp_path):
-    import subprocess
-    import sys
-
-    base = [sys.executable, "-m", "pivotrl_hpc.cli.main", "submit", LEARN,
-            *model_overrides(tiny_models)]
+    """A bad config, a request the config or the partition (2 nodes of 8 GPUs) can never
+    satisfy, and sbatch's own refusal: one line each, exit 2, nothing left behind."""
+    base = ["submit", LEARN, *model_overrides(tiny_models)]
     for extra, message in ((["rl.stpes=1"], "unknown key"),
                            (["--gpus-per-node", "2"], "the config needs 4 GPUs per node"),
-                           (["--nodes", "2"], "the config needs 1 node(s) (cluster.nodes)")):
-        p = subprocess.run([*base, *extra, "--runs-root", str(tmp_path)], capture_output=True,
-                           text=True, timeout=120)
+                           (["--nodes", "2"], "the config needs 1 node(s) (cluster.nodes) but "
+                                              "2 were asked for: submit with --nodes 1"),
+                           (["cluster.nodes=3"], "partition debug has 2 node(s) but the job "
+                                                 "asks for 3 (cluster.nodes)"),
+                           (["--gpus-per-node", "9"], "at most 8 GPUs but the job asks for 9"),
+                           (["--partition", "nosuch"], "partition 'nosuch' does not exist"),
+                           (["--constraint", "nosuch"], "sbatch refused the job: sbatch: "
+                                                        "error: Batch job submission failed: "
+                                                        "Invalid feature specification")):
+        p = _pivotrl(*base, *extra, "--runs-root", str(tmp_path), cwd=tmp_path, timeout=120)
         assert p.returncode == 2 and p.stderr.startswith("pivotrl submit: ") \
             and message in p.stderr, (extra, p.stderr)
+        assert len(p.stderr.strip().splitlines()) == 1, p.stderr
     assert not (tmp_path / "submitit").exists()                # nothing was submitted
 
 
 def test_a_failing_rank_raises_from_result_naming_it(submitit_env, tiny_models, tmp_path,
                                                      monkeypatch):
-    import pivotrl_hpc
+    """`pivotrl submit --wait` exits 1 naming the failing rank; `job.result()` raises with
+    the same line."""
+    import submitit
     from slurm_util import PROGRAMS
 
     # the controller is swapped for one that fails (tests/programs/launch_ctl.py): the
@@ -137,11 +205,18 @@ def test_a_failing_rank_raises_from_result_naming_it(submitit_env, tiny_models, 
     monkeypatch.setenv("PIVOTRL_CONTROLLER", "launch_ctl:fails")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [
         str(PROGRAMS), os.environ.get("PYTHONPATH")])))
-    job = pivotrl_hpc.submit(LEARN, model_overrides(tiny_models), runs_root=tmp_path / "runs",
-                             time=5)
+    p = _pivotrl("submit", LEARN, *model_overrides(tiny_models), "--wait", "--time", "5",
+                 "--runs-root", str(tmp_path / "runs"), cwd=tmp_path)
+    assert p.returncode == 1, p.stdout + p.stderr[-3000:]
+    job = p.stdout.split()[2].rstrip(";")
+    assert "(asked for)" in p.stdout
+    line = p.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"pivotrl submit: job {job} failed: job {job}: rank 0 (GPS agent + "
+                           "controller, node n1), host ") and \
+        "RuntimeError: test controller failure" in line, p.stderr[-3000:]
     with pytest.raises(Exception) as e:
-        job.result()
+        submitit.SlurmJob(tmp_path / "runs" / "submitit", job).result()
     text = str(e.value)
     assert "SlurmJobError" in text and "rank 0 (GPS agent + controller, node n1), host " in text
     assert "RuntimeError: test controller failure" in text, text
-    assert job_segments(job.job_id) == []
+    assert job_segments(job) == []
