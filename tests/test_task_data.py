@@ -102,3 +102,5 @@ def test_epochs_shuffle_by_seed_and_cover_every_prompt_each_pass():
     assert a == b and a != epochs(items, 1, 25) and a[:10] != items
     assert sorted(a[:10]) == items and sorted(a[10:20]) == items and a[:10] != a[10:20]
     assert len(a) == 25
+    # a run resumed with more rl.steps takes the same prompts at the same cursor
+    assert epochs(items, 0, 15) == a[:15]
