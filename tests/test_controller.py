@@ -7,6 +7,7 @@ from collections import Counter
 import pytest
 
 from controller_util import make_controller, split_bootstrap
+from live_util import assert_trace_ok
 from pivotrl_hpc.controller.flow import ControllerError
 from pivotrl_hpc.controller.rl import lag
 from pivotrl_hpc.runtime.messages import Prepare, Step
@@ -193,6 +194,7 @@ def test_the_hdf5_trace_proves_nothing_was_lost(tmp_path):
     assert all("total" in p for p in shifts["phases"])
     planner = t.table("planner")
     assert planner["executed"].sum() >= 1
+    assert_trace_ok(path)
 
 
 def test_virtual_time_plans_on_an_event_at_once_not_at_the_next_tick():

@@ -244,7 +244,7 @@ def _modeled(tmp_path, name: str, resume_from=None, version: int = 0) -> Path:
                                    params={"rollout_gpus": 2, "reward_gpus": 2},
                                    bootstrap=split_bootstrap())
     workers[0].store.version = version
-    meta = {"config": {"rl": {"staleness": 1}}, "resumed_from": str(resume_from or "")}
+    meta = {"resumed_from": str(resume_from or "")}
     path = tmp_path / f"{name}.h5"
     with TraceWriter(path, meta) as w:
         ctl.trace = ctl.report.trace = ctl.executor.trace = w

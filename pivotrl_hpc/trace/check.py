@@ -225,9 +225,9 @@ def _window(work: list[dict], key: tuple, replica: str, left: float, let_go: flo
 def staleness(rows, meta, summary, _schema) -> list[str]:
     """Lag <= k at admission (against the oldest version a rollout replica serves, which
     is never newer than the published one) and at training."""
-    k = ((meta.get("config") or {}).get("rl") or {}).get("staleness")
-    if k is None:
-        return ["meta has no config.rl.staleness"]
+    k = rows["start"][0]["staleness"] if rows["start"] else None
+    if k is None or k < 0:
+        return ["no start row with the staleness bound k"]
     out = [f"sample {r['seq_id']} of step {r['step']} admitted against v{r['version']}"
            for r in rows["sequences"] if r["event"] == "admit" and r["role"] == "rollout"
            and r["step"] >= 0 and r["version"] >= 0 and r["step"] - r["version"] > k]

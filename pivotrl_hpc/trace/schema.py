@@ -61,8 +61,8 @@ TABLES: dict[str, dict[str, str]] = {
                 "seconds": "float"},
     "admission": {"t": "float", "version": "int", "published": "int", "samples": "int",
                   "held_s": "float"},
-    "start": {"t": "float", "step": "int", "version": "int", "held_s": "float",
-              "unparsed": "int", "tau": "json", "tau_counts": "json"},
+    "start": {"t": "float", "step": "int", "version": "int", "staleness": "int",
+              "held_s": "float", "unparsed": "int", "tau": "json", "tau_counts": "json"},
 }
 
 
