@@ -7,7 +7,7 @@ first, so a broken trace says everything that is wrong with it in one run.
 from __future__ import annotations
 
 import math
-from collections import Counter, defaultdict
+from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
