@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -70,6 +71,23 @@ def test_a_pickle_sent_to_the_forker_by_another_account_runs_nothing(address, ma
     time.sleep(0.5)
     assert not path.exists()
     assert alive(server) and host_forker.server_pid() == server   # and still serving
+    # the job's own user gets a host only for itself: a typed request for another pid is
+    # closed unanswered too
+    assert _fork_for(address, worker_pid=1) == b""
+    assert alive(server)
+
+
+def _fork_for(name: str, worker_pid: int) -> bytes:
+    payload = host_forker.FORKER_WIRE.encode(host_forker.ForkRequest(worker_pid, "x", {}))
+    r, w = os.pipe()
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.settimeout(30)
+        sock.connect("\0" + name)
+        socket.send_fds(sock, [host_forker.FORK + host_forker.REQUEST_LEN.pack(len(payload))
+                               + payload], [r, w, 2])
+        os.close(r)
+        os.close(w)
+        return sock.recv(8)
 
 
 def test_a_squatted_forker_name_gets_nothing_from_the_worker(address, marker, tiny_models):
