@@ -390,6 +390,34 @@ def test_diagnose_names_rank_from_mpirun_messages(tmp_path):
                                              "h0 failed: RuntimeError: boom")
 
 
+def test_a_refused_rank_ends_the_job_with_exit_2(tmp_path):
+    """A squatted forker name, GPS socket name or GPS folder is a refusal the user fixes
+    (exit 2, like bad input); any other failure of a rank is exit 1. The code travels from
+    the rank's error file to `pivotrl run` / the Slurm job's exit."""
+    from types import SimpleNamespace
+
+    from pivotrl_hpc.gps.conns import NameTaken
+    from pivotrl_hpc.gps.shmdir import FolderRefused
+    from pivotrl_hpc.launch.diagnose import job_exit_code
+    from pivotrl_hpc.launch.entry import Rank, failure_code
+    from pivotrl_hpc.launch.layout import RunPaths
+    from pivotrl_hpc.runtime.host_forker import ForkerRefused
+
+    refusals = (ForkerRefused("held by nobody"), NameTaken("bound"), FolderRefused("nobody's"))
+    assert [failure_code(e) for e in refusals] == [2, 2, 2]
+    assert failure_code(RuntimeError("boom")) == failure_code(PermissionError("x")) == 1
+    paths = RunPaths(tmp_path / "t.h5")
+    paths.logs.mkdir()
+    assert job_exit_code(paths) == 1   # no rank wrote an error: a crash, a signal
+    info = RankLayout(1, 2, ("n0",)).info(2)
+    rank = SimpleNamespace(info=info, paths=paths)
+    Rank._write_error(rank, refusals[0])
+    assert json.loads(paths.rank_error(2).read_text())["exit_code"] == 2
+    assert job_exit_code(paths) == 2
+    Rank._write_error(rank, RuntimeError("boom"))
+    assert job_exit_code(paths) == 1
+
+
 def test_controller_failure_names_rank_0(tiny_models, tmp_path):
     job = Job(_cfg(tiny_models, tmp_path), _env(tmp_path, "fails"))
     rc = job.finish()

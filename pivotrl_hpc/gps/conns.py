@@ -43,6 +43,7 @@ WARN_EVERY_S = 10.0
 
 class NameTaken(PermissionError):
     """The agent's socket name is already bound by another process."""
+    exit_code = 2   # a refusal, not a crash: the launchers end the job with 2 (launch/entry.py)
 
 
 class Conn:

@@ -36,6 +36,7 @@ class GPSMemoryError(MemoryError):
 
 class FolderRefused(PermissionError):
     """The user's GPS folder is not a 0700 folder of this user (squatted or planted)."""
+    exit_code = 2   # a refusal, not a crash: the launchers end the job with 2 (launch/entry.py)
 
 
 def check(path: Path = SHM_DIR) -> Path:

@@ -63,6 +63,19 @@ def diagnose(layout: RankLayout, paths: RunPaths, launcher_stderr: str, rc: int,
     return f"{launcher} exited with code {rc}: {tail or 'no message'} (see {paths.logs})"
 
 
+def job_exit_code(paths: RunPaths) -> int:
+    """The exit code of a failed job: the first failing rank's (2: it was refused, e.g. a
+    squatted socket name), else 1."""
+    errors = sorted(paths.logs.glob("rank-*.error.json"), key=lambda p: p.stat().st_mtime)
+    if not errors:
+        return 1
+    try:
+        code = json.loads(errors[0].read_text()).get("exit_code", 1)
+    except (OSError, ValueError):
+        return 1
+    return code if code in (1, 2) else 1
+
+
 def rank_line(layout: RankLayout, paths: RunPaths, rank: int, host: str | None,
               error: str, launcher_stderr: str = "", launcher_log: Path | None = None) -> str:
     info = layout.info(rank)

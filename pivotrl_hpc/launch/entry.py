@@ -302,7 +302,7 @@ class Rank:
         self.paths.rank_error(info.rank).write_text(json.dumps({
             "rank": info.rank, "host": host_name(), "node": info.node_name, "kind": info.kind,
             "device": info.device, "controller": info.controller,
-            "error": f"{type(e).__name__}: {e}",
+            "error": f"{type(e).__name__}: {e}", "exit_code": failure_code(e),
             "traceback": traceback.format_exc(limit=8)}, indent=1) + "\n")
 
     def abort(self, e: BaseException) -> None:
@@ -312,7 +312,14 @@ class Rank:
                      exc_info=True)
         self.stopper.run_cleanups()
         logging.shutdown()
-        self.world.Abort(1)
+        self.world.Abort(failure_code(e))
+
+
+def failure_code(e: BaseException) -> int:
+    """2 for a refusal (an exception class with `exit_code = 2`: a squatted socket name or
+    GPS folder, ...), which the user fixes like bad input; 1 for any other failure."""
+    code = getattr(type(e), "exit_code", 1)
+    return code if isinstance(code, int) and code in (1, 2) else 1
 
 
 # ---- process set-up ---------------------------------------------------------------------------

@@ -39,7 +39,7 @@ from pivotrl_hpc.config.validate import check_cpu_shares
 from pivotrl_hpc.engines import ports
 from pivotrl_hpc.gps import shmdir
 from pivotrl_hpc.launch import cgroup
-from pivotrl_hpc.launch.diagnose import diagnose as diagnose_ranks
+from pivotrl_hpc.launch.diagnose import diagnose as diagnose_ranks, job_exit_code
 from pivotrl_hpc.config.paradigm import normalize
 from pivotrl_hpc.launch.layout import LaunchError, RankLayout, RunPaths, job_ports
 from pivotrl_hpc.launch.resume import stop_grace
@@ -176,7 +176,7 @@ def launch(run: PreparedRun, *, grace_s: float = 30.0) -> int:
               else "pivotrl run: done (the controller returned no summary)")
         return 0
     print(f"pivotrl run: {diagnose(run, stderr.text(), proc.returncode)}", file=sys.stderr)
-    return 1
+    return job_exit_code(run.paths)
 
 
 def _with_launcher_pid(command: list[str]) -> list[str]:

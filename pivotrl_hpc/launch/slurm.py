@@ -35,7 +35,7 @@ from pivotrl_hpc.checkpoint.layout import REQUEUE_FILE, latest, root_for
 from pivotrl_hpc.config.paradigm import normalize
 from pivotrl_hpc.config.validate import check_cpu_shares
 from pivotrl_hpc.launch import cgroup
-from pivotrl_hpc.launch.diagnose import BAD_INPUT, bad_input, diagnose
+from pivotrl_hpc.launch.diagnose import BAD_INPUT, bad_input, diagnose, job_exit_code
 from pivotrl_hpc.launch.layout import (LaunchError, RankLayout, RunPaths, expand_hostlist,
                                        job_ports)
 from pivotrl_hpc.launch.local import (PreparedRun, StderrFollower, free_port_base,
@@ -285,7 +285,8 @@ def execute(run: PreparedRun, *, grace_s: float = 40.0) -> Outcome:
         return Outcome(0, f"done; summary {run.paths.summary_json}" if summary is not None
                        else "done (the controller returned no summary)", run.paths, summary)
     text = srun_log.read_text(errors="replace") if srun_log.exists() else ""
-    return Outcome(1, diagnose(run.layout, run.paths, text, rc, "srun"), run.paths)
+    return Outcome(job_exit_code(run.paths), diagnose(run.layout, run.paths, text, rc, "srun"),
+                   run.paths)
 
 
 def requeue(run: PreparedRun) -> Outcome:

@@ -81,6 +81,7 @@ FORKER_WIRE = Codec(ForkRequest)
 
 class ForkerRefused(RuntimeError):
     """The forker's address is held by a process this worker does not trust."""
+    exit_code = 2   # a refusal, not a crash: the launchers end the job with 2 (launch/entry.py)
 
 
 def node_address(job: str, node: str, token: str) -> str:
