@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from live_util import model_overrides
+from live_util import assert_trace_ok, model_overrides
 from slurm_util import ROOT, job_segments, sacct_states, submit_pivot, wait_job
 
 pytestmark = pytest.mark.slurm
@@ -33,10 +33,25 @@ def _sequence_events(trace: Path) -> int:
         return -1
 
 
-def _ranks_left(job: str) -> list[str]:
-    p = subprocess.run(["pgrep", "-af", "pivotrl_hpc.launch.entry"], capture_output=True,
-                       text=True)
-    return [line for line in p.stdout.splitlines() if f"pivotrl-{job}/" in line]
+def _job_processes(job: str, wait_s: float = 10.0) -> list[str]:
+    """Processes of the job still alive `wait_s` after it ended (its ranks, the node's engine
+    host forker and the engine hosts it forked all carry SLURM_JOB_ID): a job's processes end
+    with it."""
+    mark = f"SLURM_JOB_ID={job}".encode()
+    deadline = time.monotonic() + wait_s
+    while True:
+        left = []
+        for d in Path("/proc").iterdir():
+            if not d.name.isdigit() or int(d.name) == os.getpid():
+                continue
+            try:
+                if mark in (d / "environ").read_bytes().split(b"\0"):
+                    left.append(f"{d.name} {(d / 'cmdline').read_bytes()[:160]!r}")
+            except OSError:   # gone meanwhile, or a kernel thread
+                continue
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.5)
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +94,7 @@ def test_a_stopped_job_leaves_a_readable_trace_and_nothing_behind(stopped, slurm
         events = list(t.table("events")["message"])
         assert t.meta["paradigm"] == "shiftable"
     assert any("stopped by SIGTERM" in m for m in events), events
-    assert job_segments(r["job"]) == [] and _ranks_left(r["job"]) == []
+    assert job_segments(r["job"]) == [] and _job_processes(r["job"]) == []
     # an orderly stop logs no error (every device "did not answer Shutdown within 5 s")
     logs = r["trace"].with_suffix(".logs")
     errors = [line for f in sorted(logs.glob("rank-*.log")) for line in
@@ -124,6 +139,8 @@ def test_pivotrl_resume_continues_a_cancelled_run_in_its_folder(stopped, submiti
     assert ("training", "down") in set(zip(shifts["role"], shifts["direction"]))
     assert not list(root.glob(".step-*.tmp"))
     assert sorted(x.name for x in run.parent.iterdir()) == [run.name, "submitit"]  # no new run
+    assert_trace_ok(*parts)    # lag <= k, tokens conserved, ... in each segment
+    assert _job_processes(str(summary["job_id"])) == []
 
 
 # ---- submitit -------------------------------------------------------------------------------
