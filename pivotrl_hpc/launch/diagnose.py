@@ -39,9 +39,8 @@ _SRUN = re.compile(r"srun: error: (\S+): tasks? (\d+)(?:[-,]\S*)?: (Killed|Termi
 def diagnose(layout: RankLayout, paths: RunPaths, launcher_stderr: str, rc: int,
              launcher: str = "mpirun") -> str:
     """One line naming the rank that failed first, its host, role and error."""
-    errors = sorted(paths.logs.glob("rank-*.error.json"), key=lambda p: p.stat().st_mtime)
-    if errors:
-        e = json.loads(errors[0].read_text())
+    e = _first_error(paths)
+    if e is not None:
         return rank_line(layout, paths, e["rank"], e["host"], e["error"])
     def named(rank: int, host: str | None, what: str) -> str:
         return rank_line(layout, paths, rank, host, what, launcher_stderr,
@@ -66,14 +65,18 @@ def diagnose(layout: RankLayout, paths: RunPaths, launcher_stderr: str, rc: int,
 def job_exit_code(paths: RunPaths) -> int:
     """The exit code of a failed job: the first failing rank's (2: it was refused, e.g. a
     squatted socket name), else 1."""
-    errors = sorted(paths.logs.glob("rank-*.error.json"), key=lambda p: p.stat().st_mtime)
-    if not errors:
-        return 1
     try:
-        code = json.loads(errors[0].read_text()).get("exit_code", 1)
+        e = _first_error(paths)
     except (OSError, ValueError):
         return 1
+    code = e.get("exit_code", 1) if e is not None else 1
     return code if code in (1, 2) else 1
+
+
+def _first_error(paths: RunPaths) -> dict | None:
+    """The error file of the rank that failed first (rank-N.error.json), if one wrote it."""
+    errors = sorted(paths.logs.glob("rank-*.error.json"), key=lambda p: p.stat().st_mtime)
+    return json.loads(errors[0].read_text()) if errors else None
 
 
 def rank_line(layout: RankLayout, paths: RunPaths, rank: int, host: str | None,
