@@ -124,9 +124,60 @@ def resolve_paths(cfg: Config, base: Path) -> Config:
     return cfg
 
 
+def _read(path: Path) -> dict:
+    """One config file's mapping: YAML, or a run's resolved <name>.config.json (`pivotrl
+    resume`) as JSON, since YAML 1.1 reads a float like 1e-07 as a string."""
+    try:
+        text = path.read_text(encoding="utf-8")
+        data = (json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)) or {}
+    except (yaml.YAMLError, UnicodeDecodeError, ValueError) as e:
+        raise ConfigError("<file>", f"{path} is not valid "
+                          f"{'JSON' if path.suffix == '.json' else 'YAML'}: "
+                          f"{_first_line(e)}") from None
+    if not isinstance(data, dict):
+        raise ConfigError("<file>", f"{path} holds a {type(data).__name__}, not a mapping")
+    return data
+
+
+def _merge(base: dict, over: dict) -> dict:
+    """`over`'s keys replace `base`'s, section by section."""
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(base.get(k), dict):
+            _merge(base[k], v)
+        else:
+            base[k] = v
+    return base
+
+
+def _included(data: dict, path: Path, use: bool) -> dict:
+    """Apply the file's `include` (a path or a list, relative to it): each included file's
+    keys replace the including file's, before the command line's overrides. A paper config
+    includes its calibration this way (configs/calibration/, docs/calibration.md). An
+    included file's top-level `record` is its documentation (the fit, its residuals, the
+    sources) and is not loaded. `use=False` drops the include (`--hardware datasheet`)."""
+    names = data.pop("include", None)
+    if names is None or not use:
+        return data
+    names = [names] if isinstance(names, str) else names
+    if not isinstance(names, list) or not all(isinstance(n, str) and n for n in names):
+        raise ConfigError("include", f"{names!r} is not a file name or a list of them")
+    for name in names:
+        inc = (path.parent / name).resolve()
+        if not inc.is_file():
+            raise ConfigError("include", f"{path} includes {inc}, which does not exist "
+                              f"(a paper group's calibration is written by `pivotrl "
+                              f"reproduce calibrate`)")
+        extra = _read(inc)
+        extra.pop("record", None)
+        if "include" in extra:
+            raise ConfigError("include", f"{inc} includes further files; one level only")
+        _merge(data, extra)
+    return data
+
+
 def load_config(path: str | Path | None, overrides: list[str] = (), *,
-                check_files: bool = True) -> Config:
-    """Load, override, type-check and validate; raise ConfigError naming the key."""
+                check_files: bool = True, includes: bool = True) -> Config:
+    """Load, include, override, type-check and validate; raise ConfigError naming the key."""
     from pivotrl_hpc.config.validate import validate
 
     data: dict = {}
@@ -135,19 +186,23 @@ def load_config(path: str | Path | None, overrides: list[str] = (), *,
         path = Path(path)
         if not path.is_file():
             raise ConfigError("<file>", f"config file {path} does not exist")
-        try:
-            text = path.read_text(encoding="utf-8")
-            # a run's resolved <name>.config.json (`pivotrl resume`) as JSON: YAML 1.1 reads
-            # a float like 1e-07 as a string
-            data = (json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)) or {}
-        except (yaml.YAMLError, UnicodeDecodeError, ValueError) as e:
-            raise ConfigError("<file>", f"{path} is not valid "
-                              f"{'JSON' if path.suffix == '.json' else 'YAML'}: "
-                              f"{_first_line(e)}") from None
+        data = _included(_read(path), path, includes)
         base = path.resolve().parent
     cfg = resolve_paths(build(Config, apply_overrides(data, list(overrides))), base)
+    _check_calibration(cfg)
     validate(cfg, check_files=check_files)
     return cfg
+
+
+def _check_calibration(cfg: Config) -> None:
+    c = cfg.calibration
+    for name in ("policy_scale", "genrm_scale", "train_scale"):
+        if not getattr(c, name) > 0:
+            raise ConfigError(f"calibration.{name}", f"{getattr(c, name)} must be > 0")
+    for f in dataclasses.fields(c):
+        if f.name.startswith("shift_") and getattr(c, f.name) < 0:
+            raise ConfigError(f"calibration.{f.name}", f"{getattr(c, f.name)} must be >= 0 "
+                              "(0: the datasheet's)")
 
 
 def to_dict(cfg: Config) -> dict:

@@ -160,6 +160,23 @@ class ThroughputConfig:
 
 
 @dataclass
+class CalibrationConfig:
+    """Simulator only: the fit of `pivotrl reproduce calibrate` to the paper's baselines
+    (configs/calibration/, docs/calibration.md), applied over the hardware profile's
+    datasheet derivation (sim/profile.py). 1.0 and 0.0 keep the datasheet's."""
+    policy_scale: float = 1.0     # the policy's A-D and prefill seconds over the datasheet's
+    genrm_scale: float = 1.0      # the GenRM's
+    train_scale: float = 1.0      # training seconds a token over the datasheet's
+    # seconds of one shift per role (the paper's Figure 12); 0: the datasheet's derivation
+    shift_up_s_rollout: float = 0.0
+    shift_up_s_reward: float = 0.0
+    shift_up_s_training: float = 0.0
+    shift_down_s_rollout: float = 0.0
+    shift_down_s_reward: float = 0.0
+    shift_down_s_training: float = 0.0
+
+
+@dataclass
 class GPSLinksConfig:
     """What the agents' replication plans weigh transfers by (`pivotrl profile links`
     measures them): bytes/s of a node-local copy and of a node-to-node pull, and the fixed
@@ -233,6 +250,7 @@ class Config:
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     paradigm: ParadigmConfig = field(default_factory=ParadigmConfig)
     throughput: ThroughputConfig = field(default_factory=ThroughputConfig)
+    calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
     gps: GPSConfig = field(default_factory=GPSConfig)
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)

@@ -118,3 +118,27 @@ def replication(nbytes: int, nodes: int, writer_nodes: int, hw: Hardware
     holders = {n: [(0, nbytes)] for n in range(min(writer_nodes, nodes))}
     plan = assign(refine(holders, {n: [(0, nbytes)] for n in range(nodes)}), links)
     return estimated_seconds(plan, links), sum(t.nbytes for t in plan)
+
+
+def calibrated(constants, cal):
+    """`constants` (a `sim.run.SimConstants` from the datasheet) with a paper group's fit
+    applied (`Config.calibration`, written by `pivotrl reproduce calibrate`): each model's
+    A-D and prefill seconds times its scale, training seconds a token times train_scale,
+    and each shift's seconds where the calibration names them (the paper's Figure 12). The
+    planner's own estimates follow, since it reads the same constants (sim/run.py)."""
+    from dataclasses import replace
+
+    scale = {"policy": cal.policy_scale, "genrm": cal.genrm_scale}
+    models = {m: ThroughputModel(t.A * scale[m], t.B * scale[m], t.C * scale[m],
+                                 t.D * scale[m]) for m, t in constants.throughput.items()}
+    up, down = dict(constants.shift_up_s), dict(constants.shift_down_s)
+    for role in ("rollout", "reward", "training"):
+        up[role] = getattr(cal, f"shift_up_s_{role}") or up[role]
+        down[role] = getattr(cal, f"shift_down_s_{role}") or down[role]
+    return replace(constants, throughput=models, shift_up_s=up, shift_down_s=down,
+                   train_s=constants.train_s * cal.train_scale,
+                   train_s_per_token=constants.train_s_per_token * cal.train_scale,
+                   prefill_s_per_token={m: s * scale.get(m, 1.0) for m, s
+                                        in constants.prefill_s_per_token.items()},
+                   source=f"{constants.source}, calibrated" if cal != type(cal)() else
+                   constants.source)
