@@ -6,7 +6,8 @@ Each run is a real `pivotrl run` (vLLM rollout and GenRM, Megatron training, GPS
 their best training width (and disaggregated its rollout/reward split) from a small search
 first, one run per candidate (as the paper tuned every paradigm's allocation). Prints
 {"<paradigm>": {"tokens_per_s", "steady_tokens_per_s", "seconds", "shifts", "idle_fraction",
- ..., "seconds_went": {...}}, "speedup_vs": {...}, "workload": {...}}; progress on stderr.
+ "train_step_s" (each with its _std over the repeats), ..., "seconds_went": {...}, "traces"},
+ "speedup_vs": {...}, "workload": {...}, "bench_seconds"}; progress on stderr.
 Speed-ups compare `steady_tokens_per_s` (from the first generated token on, without the
 job's start-up, docs/trace.md); `speedup_vs_incl_startup` compares `tokens_per_s`.
 """
@@ -18,17 +19,19 @@ import logging
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 log = logging.getLogger(__name__)
 
 PARADIGMS = ("colocated", "disaggregated", "rr_colocated", "shiftable")
-METRICS = ("tokens_per_s", "steady_tokens_per_s", "seconds", "shifts", "idle_fraction")
+METRICS = ("tokens_per_s", "steady_tokens_per_s", "seconds", "shifts", "idle_fraction",
+           "train_step_s")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default="configs/tiny-cpu.yaml")
-    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--steps", type=int, default=0, help="RL steps a run (0: the config's)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=0,
                    help="GRPO groups a step for every run (0: the config's). The regime "
@@ -45,15 +48,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_once(args, paradigm: str, tag: str, extra: list[str]) -> dict:
     trace = (Path(args.out) / f"{paradigm}-{tag}.h5").resolve()
+    steps = [f"rl.steps={args.steps}"] if args.steps else []
     cmd = [sys.executable, "-m", "pivotrl_hpc.cli.main", "run", args.config,
-           f"paradigm.name={paradigm}", f"rl.steps={args.steps}", f"trace.path={trace}",
+           f"paradigm.name={paradigm}", *steps, f"trace.path={trace}",
            *args.overrides, *extra]
     log.info("bench e2e: %s", " ".join(cmd[3:]))
     proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     if proc.returncode != 0:
         tail = "\n".join(proc.stderr.splitlines()[-5:])
         raise RuntimeError(f"{paradigm} run failed (exit {proc.returncode}): {tail}")
-    return json.loads(trace.with_suffix(".summary.json").read_text())
+    summary = json.loads(trace.with_suffix(".summary.json").read_text())
+    return summary | {"train_step_s": train_step_seconds(trace), "trace": str(trace)}
+
+
+def train_step_seconds(trace: Path) -> float | None:
+    """Median seconds of the run's training steps (the trace's steps table): paradigms train
+    the same batches at a searched width, so this tells a slower trainer from a slower
+    pipeline."""
+    from pivotrl_hpc.trace import open_trace
+
+    with open_trace(str(trace)) as t:
+        seconds = t.table("steps")["seconds"]
+    return float(statistics.median(seconds)) if len(seconds) else None
 
 
 def candidates(args, paradigm: str, check_files: bool = True) -> list[list[str]]:
@@ -144,6 +160,7 @@ def aggregate(runs: list[dict]) -> dict:
     out["shift_seconds"] = runs[-1]["shift_seconds"]
     out["role_tokens_per_s"] = runs[-1]["role_tokens_per_s"]
     out["seconds_went"] = seconds_went(runs[-1])
+    out["traces"] = [r.get("trace") for r in runs]
     return out
 
 
@@ -167,12 +184,14 @@ def workload(args) -> dict:
     from pivotrl_hpc.config.load import to_dict
 
     cfg = to_dict(load_config(args.config, args.overrides))
-    return {"config": args.config, "steps": args.steps, "repeats": args.repeats,
+    return {"config": args.config, "steps": args.steps or cfg["rl"]["steps"],
+            "repeats": args.repeats,
             "overrides": args.overrides,
             **{k: cfg[k] for k in ("cluster", "roles", "rl", "workload")}}
 
 
 def main(args: argparse.Namespace) -> int:
+    started = time.monotonic()
     Path(args.out).mkdir(parents=True, exist_ok=True)
     if args.batch_size:
         args.overrides = [f"rl.batch_size={args.batch_size}", *args.overrides]
@@ -186,5 +205,6 @@ def main(args: argparse.Namespace) -> int:
     result["speedup_vs"] = speedups(result, "steady_tokens_per_s")
     result["speedup_vs_incl_startup"] = speedups(result, "tokens_per_s")
     result["workload"] = workload(args)
+    result["bench_seconds"] = time.monotonic() - started   # searches and repeats, all runs
     print(json.dumps(result, indent=1))
     return 0
