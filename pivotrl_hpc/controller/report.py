@@ -149,8 +149,9 @@ class Reporter:
                               prompt_tokens=len(s.prompt.prompt_ids))
         # the data order: which prompts (and samples) this step trained, in sample order
         self.trace.append("steps", **row, prompts=[[s.prompt.pid, s.sid] for s in samples])
+        # engine_s: the trainer's own seconds (its step without the command's round trip)
         self.work(row["t"], TRAINING, TRAINING_ID, self.ctl.training.devices, seconds,
-                  math.nan, tokens, False)
+                  float(metrics.get("seconds", math.nan)), tokens, False)
         self.trace.flush()
         log.info("step %d done: reward %.3f, loss %.4f, lag <= %d, %.1f s", step,
                  row["reward_mean"], row["loss"], row["max_lag"], seconds)
