@@ -25,8 +25,10 @@ like a dense MLP; norms, routers and gates are replicated.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from pivotrl_hpc.gps.shapes import ModelShape
+if TYPE_CHECKING:  # a shape's tensors are listed here; shapes imports this module
+    from pivotrl_hpc.gps.shapes import ModelShape
 
 VOCAB_PADDING = 64   # vLLM's DEFAULT_VOCAB_PADDING_SIZE
 

@@ -3,7 +3,7 @@
 Forked by the node's host forker, which imported vLLM once (`preload`); `run(conn,
 worker_pid, name, env)` checks that `conn` is its worker's (the socketpair's creator), takes
 the host's environment, then answers [method, args] from `conn` with [status, value, awake,
-running, version] (typed, `engine_host.HOST_WIRE`) until `close` or the pipe's EOF, and
+running, version] (typed, `host_wire.HOST_WIRE`) until `close` or the pipe's EOF, and
 leaves as soon as the worker is gone (a watchdog thread on the worker's pidfd: an engine busy
 in a step, or blocked in a collective, does not read the pipe).
 """
@@ -83,7 +83,7 @@ def _watch_worker(pid: int, host: _Host) -> None:
 
 
 def serve(conn: Connection, host: _Host) -> None:
-    from pivotrl_hpc.runtime.engine_host import HOST_WIRE
+    from pivotrl_hpc.runtime.host_wire import HOST_WIRE
 
     while True:
         try:
@@ -203,7 +203,7 @@ class _Host:
         return weights, time.perf_counter() - t0
 
     def remove_shm(self) -> None:
-        from pivotrl_hpc.runtime.engine_host import remove_shm
+        from pivotrl_hpc.runtime.host_wire import remove_shm
 
         remove_shm(self.world)
 
@@ -236,7 +236,7 @@ def _name_shm_groups(world) -> None:
     and the segments are created exclusively). Name them after this world instead."""
     from vllm.distributed.device_communicators import cpu_communicator
 
-    from pivotrl_hpc.runtime.engine_host import remove_shm, shm_prefix
+    from pivotrl_hpc.runtime.host_wire import remove_shm, shm_prefix
 
     remove_shm(world)  # a dead world's leftovers: the port is ours now
     prefix = shm_prefix(world)

@@ -192,7 +192,7 @@ def _start(name: str) -> bool:
     except OSError:
         listener.close()
         return False
-    from pivotrl_hpc.runtime.engine_host import world_free
+    from pivotrl_hpc.runtime.host_wire import world_free
 
     with listener:
         listener.listen(64)

@@ -17,7 +17,7 @@ from pivotrl_hpc.gps.layout import ParallelPlace
 from pivotrl_hpc.runtime.context import ContextKind, phase
 
 if TYPE_CHECKING:
-    from pivotrl_hpc.runtime.worker import ParameterStore, WorkerSpec
+    from pivotrl_hpc.runtime.worker_spec import ParameterStore, WorkerSpec
 
 log = logging.getLogger(__name__)
 
@@ -110,8 +110,8 @@ class WorkerEngines:
         return [host.pid for host in self.engines.values()]
 
     def gps_read(self, model: str, place: ParallelPlace, version: int | None):
-        from pivotrl_hpc.runtime.engine_host import GPSRead
-        from pivotrl_hpc.runtime.worker import RoleError
+        from pivotrl_hpc.runtime.host_wire import GPSRead
+        from pivotrl_hpc.runtime.worker_spec import RoleError
 
         job = self.spec.gps_job or getattr(self.store, "job", None)
         node = self.spec.gps_node or getattr(self.store, "node", None)
