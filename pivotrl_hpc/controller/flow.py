@@ -12,7 +12,8 @@ A record whose tokens reach its budget is finished from the record at once: were
 engine's finish to come a Step later, a migration in between would move a complete
 sequence that no engine finishes (vLLM refuses a zero budget). And a replica that returns
 no token for a placed sequence over `STALL_STEPS` Steps has lost it: the run stops, naming
-both, instead of waiting forever (a live colocated job hung so, before the executor netted
+both, instead of waiting forever (one it holds without a slot yet, past vLLM's
+max_num_seqs, comes back as progress without tokens: held, not lost) (a live colocated job hung so, before the executor netted
 Algorithm 4's chained moves: `executor.net_moves`).
 """
 from __future__ import annotations
@@ -158,6 +159,9 @@ class RoleFlow:
             done = {f.seq_id for f in out.finished}
             for p in out.progress:
                 sid = int(p.seq_id)
+                if not p.token_ids:   # held, waiting for a slot (vLLM's max_num_seqs)
+                    advanced.add(sid)
+                    continue
                 if self._current(replica, sid, epochs):
                     rec = self.records[sid]
                     complete = len(rec.generated) + len(p.token_ids) >= rec.budget

@@ -249,6 +249,8 @@ class Controller:
 
     def dispatch(self) -> None:
         for role, flow in self.flows.items():
+            if not flow.sched.queue:   # nothing to place: skip building the index
+                continue
             moves = flow.sched.dispatch()
             for action in add_actions(role, moves, self.executor.book.replicas):
                 self.executor.apply(action, None)

@@ -30,7 +30,10 @@ class RoleModel:
     fitted_at: int = 0                   # sample count at the last fit
     last: FitResult | None = None
     min_samples: int = 24
-    refit_every: int = 48
+    refit_every: int = 48                # new samples before a refit, at least ...
+    refit_growth: float = 0.25           # ... and this share of the samples held: a fit
+    # costs O(samples), so refits spaced geometrically cost O(max_samples) in all, not
+    # O(max_samples^2 / refit_every) (the simulator spent 40 % of its time refitting)
     max_samples: int = 4096
     max_error: float = 0.5               # a worse fit is traced but not used
     window_s: float = 0.3                # pooled Step seconds per sample (3 quota periods)
@@ -55,6 +58,12 @@ class RoleModel:
         del self._windows[replica]
         return self.observe(round(w[1] / w[0]), round(w[2] / w[0]), w[3] / w[0])
 
+    def refit_gap(self) -> int:
+        """New samples the next refit waits for (none before the first fit)."""
+        if self.last is None:
+            return 0
+        return max(self.refit_every, int(self.refit_growth * self.fitted_at))
+
     def observe(self, n_seq: int, n_tok: int, seconds: float) -> FitResult | None:
         """Record one decode step; refit when enough new samples came in. Returns the new
         fit, if one was made (the caller traces it)."""
@@ -64,7 +73,7 @@ class RoleModel:
         if len(self.samples) > self.max_samples:
             del self.samples[: len(self.samples) - self.max_samples]
         n = len(self.samples)
-        if n < self.min_samples or n - self.fitted_at < (self.refit_every if self.last else 0):
+        if n < self.min_samples or n - self.fitted_at < self.refit_gap():
             return None
         distinct = {s.n_seq for s in self.samples}
         if len(distinct) < 3:  # B and C cannot be told apart yet

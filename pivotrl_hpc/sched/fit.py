@@ -57,16 +57,22 @@ def _solve(matrix: list[list[float]], rhs: list[float]) -> list[float] | None:
     return [m[i][n] / m[i][i] for i in range(n)]
 
 
-def _errors(model: ThroughputModel, samples: Sequence[ThroughputSample]) -> tuple[float, float]:
+def _errors(model: ThroughputModel, rows: Sequence[tuple[int, int, float]],
+            bound: float = math.inf) -> tuple[float, float, float] | None:
+    """(sum of squared relative errors, relative rms, relative max) of `model` over
+    (n_seq, n_tok, latency) rows; None as soon as the sum passes `bound` (it only grows, so
+    that model cannot have the smaller rms: the search's answer is the same)."""
     a, b, c, d = model.A, model.B, model.C, model.D   # model.latency, inlined: the hot loop
     sq, worst = 0.0, 0.0
-    for s in samples:
-        cn = c * s.n_seq
-        e = (a * s.n_tok + (b if b > cn else cn) + d - s.latency) / s.latency
+    for n, t, lat in rows:
+        cn = c * n
+        e = (a * t + (b if b > cn else cn) + d - lat) / lat
         sq += e * e
+        if sq > bound:
+            return None
         if e > worst or -e > worst:
             worst = abs(e)
-    return math.sqrt(sq / len(samples)), worst
+    return sq, math.sqrt(sq / len(rows)), worst
 
 
 # Columns of the split system: A (tokens), B + D (below the split), C (sequences), D (above).
@@ -86,12 +92,15 @@ class _Normal:
         self.atb = [0.0] * 4
 
     def add(self, x: list[float]) -> None:
-        for i, xi in enumerate(x):
-            if xi:
-                self.atb[i] += xi
-                row = self.ata[i]
-                for j, xj in enumerate(x):
-                    row[j] += xi * xj
+        """Adds x's outer product; zero entries add nothing (x + 0.0 == x), so they are
+        skipped: a low row has 2 of 4 entries, a high row 3."""
+        nz = [(j, xj) for j, xj in enumerate(x) if xj]
+        atb, ata = self.atb, self.ata
+        for i, xi in nz:
+            atb[i] += xi
+            row = ata[i]
+            for j, xj in nz:
+                row[j] += xi * xj
 
     def copy(self) -> "_Normal":
         out = _Normal()
@@ -167,11 +176,13 @@ def fit_throughput_model(samples: Iterable[ThroughputSample]) -> FitResult:
     for s in data:
         if s.n_seq <= 0 or s.n_tok < 0 or not s.latency > 0.0:
             raise ValueError(f"bad throughput sample {s}: need n_seq > 0, n_tok >= 0, latency > 0")
-    best: tuple[float, float, ThroughputModel] | None = None
-    for model in _candidates(data):
-        rms, worst = _errors(model, data)
-        if best is None or rms < best[0]:
-            best = (rms, worst, model)
+    best: tuple[float, float, float, ThroughputModel] | None = None
+    rows = [(s.n_seq, s.n_tok, s.latency) for s in data]
+    for model in _candidates(data):   # best first, mostly: the others stop early
+        got = _errors(model, rows, math.inf if best is None else best[0])
+        if got is not None and (best is None or got[1] < best[1]):
+            best = (*got, model)
     if best is None:
         raise ValueError("throughput samples are degenerate: vary both tokens and sequences")
-    return FitResult(model=best[2], rel_rms_error=best[0], rel_max_error=best[1], samples=len(data))
+    return FitResult(model=best[3], rel_rms_error=best[1], rel_max_error=best[2],
+                     samples=len(data))

@@ -36,12 +36,9 @@ def tokens_at(seq_id: str, start: int, n: int, vocab: int) -> list[int]:
     """The tokens of `seq_id` at positions start..start+n-1: a pure function of the sequence
     and the position (one hash of the id, then splitmix64's first rounds per position)."""
     s = _seed(seq_id)
-    return [_mix((s + p * _GOLDEN) & _MASK) % vocab for p in range(start, start + n)]
-
-
-def _mix(z: int) -> int:
-    z = ((z ^ (z >> 30)) * _MIX) & _MASK
-    return z ^ (z >> 27)
+    # splitmix64's first two rounds, inline (the simulator's innermost loop)
+    return [((z := (((y := (s + p * _GOLDEN) & _MASK) ^ (y >> 30)) * _MIX) & _MASK)
+             ^ (z >> 27)) % vocab for p in range(start, start + n)]
 
 
 @dataclass
@@ -215,6 +212,11 @@ class ModeledWorker:
         if first and self.late_finish:  # reported by the Step after its last token
             finished += [self._finished(sid) for sid, s in list(self.seqs.items())
                          if s.remaining <= 0]
+        if first and len(self.seqs) > len(running):
+            # held without a slot: progress without tokens, so that the controller knows
+            # they are not lost (flow.STALL_STEPS) while they wait their turn
+            progress += [SeqProgress(sid, [], []) for sid in islice(self.seqs, len(running),
+                                                                     None)]
         for sid, s in live:
             toks = tokens_at(sid, len(s.generated), k, self.vocab)
             s.generated += toks

@@ -39,6 +39,11 @@ class ChatRenderer:
         takes = self.mode == "model" and "enable_thinking" in str(self.tok.chat_template)
         self.kwargs = {"enable_thinking": enable_thinking} if (
             takes and enable_thinking is not None) else {}
+        # what `tok.decode` ends in for a fast tokenizer without clean-up: its Rust decode,
+        # called directly (the wrapper's per-id conversion was half a decode's time)
+        backend = getattr(self.tok, "backend_tokenizer", None)
+        self._backend_decode = backend.decode if backend is not None and not getattr(
+            self.tok, "clean_up_tokenization_spaces", True) else None
 
     @property
     def eos_id(self) -> int | None:
@@ -61,5 +66,7 @@ class ChatRenderer:
         """Generated ids -> text, special tokens (EOS, pad) dropped; <think> tags are added
         tokens, not special ones, in Qwen's and the tiny tokenizer, so they stay."""
         n = self.size   # ids past the tokenizer (a model's padded vocabulary) decode to nothing
-        return self.tok.decode([i for i in map(int, ids) if 0 <= i < n],
-                               skip_special_tokens=True)
+        kept = [i for i in map(int, ids) if 0 <= i < n]
+        if self._backend_decode is not None:
+            return self._backend_decode(kept, skip_special_tokens=True)
+        return self.tok.decode(kept, skip_special_tokens=True)

@@ -24,6 +24,7 @@ from pivotrl_hpc.task.types import PromptData, Score
 log = logging.getLogger(__name__)
 
 VALIDATION_PID = -1   # validation prompt of row r: pid -1 - r (never a training row's)
+TEXTS_KEPT = 8192     # response texts kept between judge_prompt and score (RLTask.text)
 
 
 def parse_rule(cfg: Config) -> ParseRule:
@@ -46,6 +47,7 @@ class RLTask:
         self.template = template_text(cfg.reward.genrm_template)
         self.rule = parse_rule(cfg)
         self.records: dict[int, D.Record] = {}
+        self._texts: dict[int, tuple[Sequence[int], int, str]] = {}   # text(): id -> text
         self.filtered: dict[str, int] = {}      # split -> overlong prompts dropped
         self.opens_thinking = self.genrm.text(
             [{"role": "user", "content": "x"}]).rstrip().endswith("<think>")
@@ -130,7 +132,17 @@ class RLTask:
                                   (rec.data_source, "Answer: 0", rec.answer, rec.extra_info))
 
     def text(self, response_ids: Sequence[int]) -> str:
-        return self.policy.decode(response_ids)
+        """The response's text. The controller hands the same (never changed) response list
+        to `judge_prompt` and later to `score`, so its text is kept in between: one decode
+        a response instead of two (`score` lets it go)."""
+        got = self._texts.get(id(response_ids))
+        if got is not None and got[0] is response_ids and got[1] == len(response_ids):
+            return got[2]
+        text = self.policy.decode(response_ids)
+        if len(self._texts) >= TEXTS_KEPT:   # responses never scored (a run's end)
+            self._texts.clear()
+        self._texts[id(response_ids)] = (response_ids, len(response_ids), text)
+        return text
 
     def judge_prompt(self, prompt: PromptData, response_ids: Sequence[int]) -> list[int]:
         """The GenRM's prompt; a response too long for models.genrm.max_prompt_len keeps its
@@ -139,6 +151,8 @@ class RLTask:
         rec = self.records[prompt.pid]
         response = self.text(response_ids)
         ids = self._judge_ids(rec, response)
+        if len(ids) <= self.max_judge:
+            return ids
         cut = self.genrm.encode(response)
         keep = len(cut)
         while len(ids) > self.max_judge and keep > 0:
@@ -162,7 +176,9 @@ class RLTask:
     def score(self, prompt: PromptData, response_ids: Sequence[int],
               judge_ids: Sequence[int]) -> Score:
         j = parse_judgement(self.genrm.decode(judge_ids), self.rule, self.opens_thinking)
-        return Score(self.verdict(prompt, response_ids).score, j.score, j.parsed)
+        score = Score(self.verdict(prompt, response_ids).score, j.score, j.parsed)
+        self._texts.pop(id(response_ids), None)   # its last use
+        return score
 
 
 _BUILT: dict[str, tuple[RLTask, list[PromptData], list[PromptData]]] = {}

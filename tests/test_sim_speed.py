@@ -1,0 +1,130 @@
+"""What makes the simulator fast without changing what it computes (issue 39): the fit's
+bounded search, geometrically spaced refits, the task layer's decode paths."""
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+from live_util import ROOT, model_overrides
+
+from pivotrl_hpc.controller.monitor import RoleModel
+from pivotrl_hpc.sched import fit as F
+from pivotrl_hpc.sched.model import ThroughputModel
+
+TRUE = ThroughputModel(2e-8, 0.005, 2e-4, 0.003)
+
+
+def samples(rng: random.Random, n: int, noise: float) -> list[F.ThroughputSample]:
+    out = []
+    for _ in range(n):
+        seqs = rng.randint(1, 300)
+        toks = seqs * rng.randint(10, 4000)
+        out.append(F.ThroughputSample(seqs, toks, TRUE.latency(seqs, toks)
+                                      * math.exp(rng.gauss(0, noise))))
+    return out
+
+
+def every_candidate_scored(data) -> F.FitResult:
+    """The search as it was: every candidate's errors over every sample, the least rms."""
+    rows = [(s.n_seq, s.n_tok, s.latency) for s in data]
+    best = None
+    for model in F._candidates(data):
+        _, rms, worst = F._errors(model, rows)
+        if best is None or rms < best[0]:
+            best = (rms, worst, model)
+    return F.FitResult(best[2], best[0], best[1], len(data))
+
+
+@pytest.mark.parametrize("noise", [0.0, 0.02, 0.3])
+def test_the_bounded_search_chooses_what_scoring_every_candidate_chooses(noise):
+    rng = random.Random(7)
+    for n in (5, 40, 600):
+        data = samples(rng, n, noise)
+        assert F.fit_throughput_model(data) == every_candidate_scored(data)
+
+
+def test_refits_are_spaced_geometrically_and_the_model_stays_close():
+    """A refit waits for max(refit_every, refit_growth x samples) new samples: 4,096
+    samples cost ~17 fits instead of ~85, and the model in use stays within 1 % of the
+    one refitted every 48 samples at every point of the stream."""
+    rng = random.Random(3)
+    data = samples(rng, 4096, 0.05)
+    spaced, every = RoleModel(TRUE, fixed=False), RoleModel(TRUE, fixed=False, refit_growth=0.0)
+    fits = {"spaced": 0, "every": 0}
+    for i, s in enumerate(data):
+        fits["spaced"] += spaced.observe(s.n_seq, s.n_tok, s.latency) is not None
+        fits["every"] += every.observe(s.n_seq, s.n_tok, s.latency) is not None
+        if i % 256 == 255:
+            for n, t in ((1, 500), (64, 64 * 2000), (256, 256 * 3000)):
+                assert spaced.model.latency(n, t) == pytest.approx(
+                    every.model.latency(n, t), rel=0.01)
+    assert fits["every"] >= 80 and fits["spaced"] <= 20, fits
+
+
+@pytest.fixture(scope="module")
+def task(tiny_models):
+    from pivotrl_hpc.config import load_config
+    from pivotrl_hpc.task.task import build_task
+
+    cfg = load_config(ROOT / "configs" / "tiny-cpu.yaml", model_overrides(tiny_models))
+    return cfg, *build_task(cfg)[:2]
+
+
+def test_the_direct_decode_is_the_tokenizers_decode(task):
+    _, t, _ = task
+    rng = random.Random(0)
+    for r in (t.policy, t.genrm):
+        assert r._backend_decode is not None   # the tiny tokenizer is a fast one
+        special = list(r.tok.all_special_ids)
+        for _ in range(100):
+            ids = [rng.choice(special) if rng.random() < 0.05 else rng.randrange(-3, r.size + 9)
+                   for _ in range(rng.randrange(0, 400))]
+            assert r.decode(ids) == r.tok.decode([i for i in ids if 0 <= i < r.size],
+                                                 skip_special_tokens=True)
+
+
+def test_a_response_is_decoded_once_between_its_judge_prompt_and_its_score(task, monkeypatch):
+    _, t, train = task
+    p, rng = train[0], random.Random(1)
+    response = [rng.randrange(t.policy.size) for _ in range(200)]
+    calls = []
+    decode = t.policy.decode
+    monkeypatch.setattr(t.policy, "decode", lambda ids: calls.append(1) or decode(ids))
+    ids = t.judge_prompt(p, response)
+    score = t.score(p, response, [])
+    assert len(calls) == 1 and id(response) not in t._texts   # let go after its score
+    other = list(response)   # equal, but another list: decoded again, to the same prompt
+    assert t.judge_prompt(p, other) == ids and t.score(p, other, []) == score
+    assert len(calls) == 2
+
+
+def test_sequences_waiting_past_max_num_seqs_are_held_not_lost(monkeypatch):
+    """An engine that decodes one sequence at a time holds the others for far more than
+    flow.STALL_STEPS Steps; they come back as progress without tokens, so the run goes on
+    (it stopped with 'returned no token ... in 64 Steps' at the paper's judge lengths)."""
+    from controller_util import make_controller, split_bootstrap
+
+    from pivotrl_hpc.controller.flow import STALL_STEPS
+    from pivotrl_hpc.sim.modeled import ModeledWorker
+
+    waited: dict[tuple[int, str], int] = {}   # (device, sequence) -> Steps held so far
+    longest = [0]
+    iterations = ModeledWorker._iterations
+
+    def watched(self, most, first=True):
+        out = iterations(self, most, first)
+        for p in out.progress:
+            key = (self.device, p.seq_id)
+            waited[key] = 0 if p.token_ids else waited.get(key, 0) + 1
+            longest[0] = max(longest[0], waited[key])
+        return out
+
+    monkeypatch.setattr(ModeledWorker, "_iterations", watched)
+    ctl, workers = make_controller("shiftable", bootstrap=split_bootstrap(), batch_size=8,
+                                   group_size=8)
+    for w in workers:
+        w.max_num_seqs = 1
+    summary = ctl.run()
+    assert summary["steps"] == 3 and summary["in_flight_at_end"] == 0
+    assert longest[0] > STALL_STEPS
