@@ -202,9 +202,15 @@ def main(args: argparse.Namespace) -> int:
         runs += [run_once(args, paradigm, f"r{i}", extra)
                  for i in range(len(runs), args.repeats)]
         result[paradigm] = aggregate(runs) | {"split": extra}
-    result["speedup_vs"] = speedups(result, "steady_tokens_per_s")
-    result["speedup_vs_incl_startup"] = speedups(result, "tokens_per_s")
-    result["workload"] = workload(args)
-    result["bench_seconds"] = time.monotonic() - started   # searches and repeats, all runs
-    print(json.dumps(result, indent=1))
+        # each paradigm's figures as they come: a long bench cut short keeps what it measured
+        (Path(args.out) / "bench-e2e.json").write_text(json.dumps(finish(args, result, started),
+                                                                  indent=1))
+    print(json.dumps(finish(args, result, started), indent=1))
     return 0
+
+
+def finish(args, result: dict, started: float) -> dict:
+    return {**result, "speedup_vs": speedups(result, "steady_tokens_per_s"),
+            "speedup_vs_incl_startup": speedups(result, "tokens_per_s"),
+            "workload": workload(args),
+            "bench_seconds": time.monotonic() - started}   # searches and repeats, all runs
