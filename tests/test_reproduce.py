@@ -22,7 +22,8 @@ from pivotrl_hpc.reproduce.runs import Run, run_one
 
 ROOT = Path(__file__).resolve().parents[1]
 GROUP = "qwen2.5-1.5b_glm-z1-9b"
-SCALE = replace(QUICK, seeds=2, table2_gpus=(16,))
+SCALE = replace(QUICK, seeds=2, table2_gpus=(16,), search=True)
+PROCESSED = "processed_tokens_per_s"
 
 
 @pytest.fixture(scope="module")
@@ -50,18 +51,19 @@ def test_fig9_means_ratios_and_split_come_from_its_runs(lab):
     g = lab.fig9_result[GROUP]
     for p, ours in g["ours"].items():
         assert len(ours["runs"]) == SCALE.seeds
-        assert ours["tokens_per_s"] == pytest.approx(statistics.fmean(ours["runs"]))
+        assert ours[PROCESSED] == pytest.approx(statistics.fmean(ours["runs"]))
+        assert ours["over_paper"] == pytest.approx(ours[PROCESSED] / paper.FIG9[GROUP][p])
         assert ours["std"] == pytest.approx(statistics.pstdev(ours["runs"]))
     for p, ratio in g["speedup_vs"].items():
-        assert ratio == pytest.approx(g["ours"]["shiftable"]["tokens_per_s"]
-                                      / g["ours"][p]["tokens_per_s"])
+        assert ratio == pytest.approx(g["ours"]["shiftable"][PROCESSED] / g["ours"][p][PROCESSED])
+        assert g["reaches_paper_lower_bound"][p] == (ratio >= paper.FIG9_RANGES[p][0])
         assert g["paper_speedup_vs"][p] == pytest.approx(paper.PAPER_SHIFT_RATIOS[p][GROUP])
     assert g["shiftable_beats_every_baseline"] == all(v > 1 for v in g["speedup_vs"].values())
     # the disaggregated split is the best of the search's candidates on seed 0
     ns = argparse.Namespace(config=lab.config(GROUP), overrides=list(SCALE.overrides))
     options = candidates(ns, "disaggregated", check_files=False)
     assert len(options) > 1 and g["ours"]["disaggregated"]["split"] in options
-    seed0 = {tuple(x): run_one(lab.run(GROUP, "disaggregated", 0, x)).figures["tokens_per_s"]
+    seed0 = {tuple(x): run_one(lab.run(GROUP, "disaggregated", 0, x)).figures[PROCESSED]
              for x in options}
     assert g["ours"]["disaggregated"]["runs"][0] == max(seed0.values())
     assert seed0[tuple(g["ours"]["disaggregated"]["split"])] == max(seed0.values())
@@ -78,7 +80,7 @@ def test_a_run_is_deterministic_and_its_seed_matters():
 def test_fig11_ratios_are_over_fig9s_disaggregated(lab):
     out = lab.fig11((GROUP,))[GROUP]
     base = out["disaggregated_tokens_per_s"]
-    assert base == pytest.approx(lab.fig9_result[GROUP]["ours"]["disaggregated"]["tokens_per_s"])
+    assert base == pytest.approx(lab.fig9_result[GROUP]["ours"]["disaggregated"][PROCESSED])
     for p, ratio in out["over_disaggregated"].items():
         assert ratio == pytest.approx(statistics.fmean(out["tokens_per_s"][p]) / base), p
     assert out["paper_over_disaggregated"] == paper.FIG11[GROUP]
@@ -136,3 +138,20 @@ def test_reproduce_refuses_an_unknown_figure(tmp_path):
                         "fig99", "--out", str(tmp_path)], capture_output=True, text=True,
                        timeout=120)
     assert p.returncode == 2 and "unknown figure(s) fig99" in p.stderr
+
+
+def test_fig10_allocation_shape_by_hand():
+    """The paper's labelled allocations (Figure 10): reward holds >= 16 of 32 GPUs at 19 of
+    20 labels, training is up at 3; a timed series weighs each row by its duration."""
+    from pivotrl_hpc.reproduce.experiments import allocation_shape
+
+    shape = allocation_shape(paper.FIG10_SHIFTABLE, timed=False)
+    assert shape == {"reward_half_or_more": 0.95, "training_up": 0.15, "rollout_max": 32,
+                     "reward_max": 32}
+    # as labelled: two labels hold 24 (8 GPUs between roles, mid-shift)
+    assert [sum(r[1:]) for r in paper.FIG10_SHIFTABLE].count(32) == 18
+    timed = allocation_shape([[0.0, 32, 0, 0], [10.0, 8, 24, 0], [40.0, 0, 24, 8],
+                              [50.0, 16, 16, 0]])
+    assert timed == {"reward_half_or_more": pytest.approx(40 / 50),
+                     "training_up": pytest.approx(10 / 50), "rollout_max": 32,
+                     "reward_max": 24}

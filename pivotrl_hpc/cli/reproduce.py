@@ -20,11 +20,28 @@ import sys
 import time
 from pathlib import Path
 
-FIGURES = ("fig9", "fig3", "fig11", "fig13", "fig14", "table2")
+FIGURES = ("fig9", "fig10", "fig3", "fig11", "fig13", "fig14", "table2")
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("action", nargs="?", default="figures", choices=("figures", "calibrate"),
+                   help="figures (default): the paper's evaluation; calibrate: fit each "
+                        "group's free assumptions to Figure 9's baselines and write "
+                        "configs/calibration/<group>.yaml (docs/calibration.md)")
+    p.add_argument("--hardware", default="calibrated", choices=("calibrated", "datasheet"),
+                   help="calibrated: the paper configs with their calibration include; "
+                        "datasheet: without it, the H20 datasheet derivation alone")
+    p.add_argument("--groups", default=None,
+                   help="comma separated paper groups (default: all four)")
+    p.add_argument("--iterations", type=int, default=1,
+                   help="calibrate: Newton steps after the Jacobian's run sets")
+    p.add_argument("--measured-jacobian", action="store_true",
+                   help="calibrate: measure the Jacobian (3 more run sets a group) instead "
+                        "of starting from the prior one")
+    p.add_argument("--search", action="store_true",
+                   help="search the baselines' splits and widths (default: Table 4's, "
+                        "the paper's tuned splits, in the paper configs)")
     p.add_argument("--out", default="out/reproduce", help="folder for the JSON and PNGs")
     p.add_argument("--only", default=",".join(FIGURES),
                    help=f"comma separated, of {', '.join(FIGURES)}")
@@ -46,7 +63,8 @@ def scale_of(args):
 
     s = QUICK if args.quick else Scale()
     changes = {k: v for k, v in (("steps", args.steps), ("seeds", args.seeds)) if v is not None}
-    return replace(s, jobs=max(1, args.jobs), **changes)
+    return replace(s, jobs=max(1, args.jobs), hardware=args.hardware, search=args.search,
+                   cache=str(Path(args.out) / "runs"), **changes)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -56,17 +74,16 @@ def main(args: argparse.Namespace) -> int:
     from pivotrl_hpc.reproduce.experiments import Lab
     from pivotrl_hpc.reproduce.plots import PLOTS
 
+    if args.action == "calibrate":
+        return calibrate(args)
     only = [f.strip() for f in args.only.split(",") if f.strip()]
     unknown = [f for f in only if f not in FIGURES]
     if unknown:
         print(f"pivotrl reproduce: unknown figure(s) {', '.join(unknown)} "
               f"(known: {', '.join(FIGURES)})", file=sys.stderr)
         return 2
-    configs = Path(args.configs)
-    absent = [g for g in paper.GROUPS if not (configs / f"{g}.yaml").is_file()]
-    if absent:
-        print(f"pivotrl reproduce: {configs} lacks {', '.join(g + '.yaml' for g in absent)}",
-              file=sys.stderr)
+    configs, groups = Path(args.configs), groups_of(args)
+    if groups is None:
         return 2
     scale = scale_of(args)
     for name in ("pivotrl_hpc.controller", "pivotrl_hpc.sim"):   # one line a run, below
@@ -79,17 +96,20 @@ def main(args: argparse.Namespace) -> int:
         r = o.run
         print(f"reproduce: [{done}/{total}] {r.tag} {r.paradigm} seed {r.seed} "
               f"{' '.join(x for x in r.overrides if not x.startswith(('workload.', 'rl.steps')))}"
-              f" -> {o.figures['tokens_per_s']:.0f} tokens/s "
+              f" -> {o.figures.get('processed_tokens_per_s', 0):.0f} tokens/s "
+              f"{o.figures.get('error', '')}"
               f"({time.monotonic() - t0:.0f} s)", file=sys.stderr)
 
     lab = Lab(configs, scale, progress)
     results: dict = {}
+    fig11_groups = tuple(g for g in paper.FIG11 if g in groups)
+    calls = {"fig9": lambda: lab.fig9(tuple(groups)), "fig11": lambda: lab.fig11(fig11_groups)}
     for name in FIGURES:   # fig9 first: fig3 and fig11 use its splits and baselines
-        if name in only:
-            results[name] = getattr(lab, name)()
+        if name in only and (name != "fig11" or fig11_groups):
+            results[name] = calls.get(name, getattr(lab, name))()
             (out / f"{name}.json").write_text(json.dumps(results[name], indent=1))
             PLOTS[name](results[name], out / f"{name}.png")
-    everything = {"settings": asdict(scale) | {"hardware": "H20 profile (sim/profile.py)"},
+    everything = {"settings": asdict(scale) | {"profile": "H20 (sim/profile.py)"},
                   "wall_s": round(time.monotonic() - t0, 1), **results}
     (out / "reproduce.json").write_text(json.dumps(everything, indent=1))
     print(json.dumps(everything, indent=1) if args.json else summary(results, out))
@@ -99,9 +119,17 @@ def main(args: argparse.Namespace) -> int:
 def summary(results: dict, out: Path) -> str:
     lines = [f"pivotrl reproduce: figures in {out}"]
     for g in results.get("fig9", {}).values():
-        ours = ", ".join(f"{p} {v:.2f}x (paper {g['paper_speedup_vs'][p]:.2f}x)"
+        ours = ", ".join(f"{p} {v:.2f}x (paper {g['paper_speedup_vs'][p]:.2f}x, lower "
+                         f"bound {g['paper_lower_bound'][p]:.2f}x)"
                          for p, v in g["speedup_vs"].items())
-        lines.append(f"  Figure 9, {g['title']}: shiftable over {ours}")
+        level = ", ".join(f"{p} {o.get('processed_tokens_per_s', 0):.0f} "
+                          f"({g['paper_tokens_per_s'][p]})" for p, o in g["ours"].items())
+        lines.append(f"  Figure 9, {g['title']}: tokens/s (paper) {level}; shiftable over "
+                     f"{ours}")
+    if "fig10" in results:
+        lines.append("  Figure 10 (reward >= half, training up, rollout max): " + "; ".join(
+            f"{p} {s['reward_half_or_more']:.2f} {s['training_up']:.2f} {s['rollout_max']}"
+            for p, s in [*results["fig10"]["ours"].items(), ("paper", results["fig10"]["paper"])]))
     for g in results.get("fig11", {}).values():
         ours = ", ".join(f"{p} {v:.2f}x" for p, v in g["over_disaggregated"].items())
         lines.append(f"  Figure 11, {g['title']} (over disaggregated): {ours}; orders as "
@@ -123,3 +151,87 @@ def summary(results: dict, out: Path) -> str:
         lines.append("  Table 2 (GPUs: planner s): " + ", ".join(
             f"{r['gpus']}: {r['total_s']:.3f}" for r in results["table2"]["rows"]))
     return "\n".join(lines)
+
+
+def groups_of(args: argparse.Namespace) -> list[str] | None:
+    """The paper groups `--groups` names (all four by default); None after saying why not."""
+    from pivotrl_hpc.reproduce import paper
+
+    groups = args.groups.split(",") if args.groups else list(paper.GROUPS)
+    unknown = [g for g in groups if g not in paper.GROUPS]
+    if unknown:
+        print(f"pivotrl reproduce: unknown group(s) {', '.join(unknown)} (known: "
+              f"{', '.join(paper.GROUPS)})", file=sys.stderr)
+        return None
+    configs = Path(args.configs)
+    absent = [g for g in groups if not (configs / f"{g}.yaml").is_file()]
+    if absent:
+        print(f"pivotrl reproduce: {configs} lacks {', '.join(g + '.yaml' for g in absent)}",
+              file=sys.stderr)
+        return None
+    return groups
+
+
+def calibrate(args: argparse.Namespace) -> int:
+    """Fit every named group's scale factors to Figure 9's baselines (reproduce/calibrate.py)
+    and write configs/calibration/<group>.yaml beside the configs."""
+    import yaml
+
+    from pivotrl_hpc.reproduce import calibrate as cal
+    from pivotrl_hpc.reproduce import paper
+    from pivotrl_hpc.reproduce.experiments import FIG3_GROUP
+    from pivotrl_hpc.reproduce.runs import Run, run_all
+
+    configs, groups = Path(args.configs), groups_of(args)
+    if groups is None:
+        return 2
+    steps = args.steps or 2
+    for name in ("pivotrl_hpc.controller", "pivotrl_hpc.sim"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    (configs / "calibration").mkdir(exist_ok=True)
+    out = {}
+    for g in groups:
+        t0, fixed = time.monotonic(), cal.FIXED[g]
+
+        def evaluate(params: dict[str, float], g=g, fixed=fixed) -> dict[str, float]:
+            extra = (*fixed.overrides(), f"rl.steps={steps}",
+                     *(f"calibration.{k}={v!r}" for k, v in params.items()))
+            # Figure 3's group writes traces, so that its last run set serves fig3 too
+            runs = [Run(str(configs / f"{g}.yaml"), p, 0, extra, g == FIG3_GROUP, g,
+                        "datasheet") for p in cal.BASELINES]
+            done = run_all(runs, args.jobs, cache=str(Path(args.out) / "runs"))
+            failed = [f"{o.run.paradigm}: {o.figures['error']}" for o in done
+                      if "error" in o.figures]
+            if failed:
+                raise RuntimeError("; ".join(failed))
+            got = {o.run.paradigm: o.figures["processed_tokens_per_s"] for o in done}
+            print(f"calibrate: {g} {_fmt(params)} -> {_fmt(got, '.0f')} "
+                  f"({time.monotonic() - t0:.0f} s)", file=sys.stderr)
+            return got
+
+        start, history, error = {k: 1.0 for k in cal.FREE}, [], None
+        try:
+            result = cal.fit(evaluate, {p: paper.FIG9[g][p] for p in cal.BASELINES}, start,
+                             args.iterations, None if args.measured_jacobian else cal.PRIOR,
+                             history)
+        except Exception as e:   # a simulator failure: keep what was measured, say why
+            error = f"{type(e).__name__}: {e}"
+            print(f"calibrate: {g} stopped: {error}", file=sys.stderr)
+            result = cal.best(history, start)
+        settings = {"steps": steps, "seed": 0, "runs": 3 * len(result.history),
+                    "wall_s": round(time.monotonic() - t0, 1),
+                    "command": "pivotrl " + " ".join(sys.argv[1:])}
+        doc = cal.document(g, fixed, result, settings, error)
+        path = configs / "calibration" / f"{g}.yaml"
+        path.write_text(f"# {paper.TITLES[g]}: written by `pivotrl reproduce calibrate` "
+                        f"(docs/calibration.md);\n# the paper config includes it, "
+                        f"`record` is not loaded.\n" + yaml.safe_dump(doc, sort_keys=False))
+        out[g] = {"params": result.params, "ours": result.ours,
+                  "residuals": result.residuals, "within_15_percent": result.ok,
+                  "wall_s": settings["wall_s"], "file": str(path), "error": error}
+    print(json.dumps(out, indent=1))
+    return 0 if all(o["within_15_percent"] and not o["error"] for o in out.values()) else 1
+
+
+def _fmt(d: dict, f: str = ".3g") -> str:
+    return " ".join(f"{k}={v:{f}}" for k, v in d.items())

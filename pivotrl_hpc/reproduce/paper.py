@@ -32,6 +32,17 @@ FIG9 = {
 FIG9_RANGES = {"colocated": (1.81, 2.05), "disaggregated": (1.50, 1.95),
                "rr_colocated": (1.66, 1.97)}
 
+# Figure 10 (Qwen2.5-7B & Qwen3-30B-A3B, 32 GPUs): PivotRL's allocations as labelled, in
+# order, [t, RO, RM, TR] with t the label's index (the figure's time axis is cut)
+_RO = (32, 12, 8, 16, 12, 4, 0, 0, 4, 16, 12, 4, 0, 0, 4, 16, 8, 4, 0, 0)
+_RM = (0, 20, 24, 16, 20, 28, 32, 24, 20, 16, 20, 28, 32, 24, 20, 16, 24, 28, 32, 24)
+_TR = (0, 0, 0, 0, 0, 0, 0, 8, 0, 0, 0, 0, 0, 8, 0, 0, 0, 0, 0, 8)
+FIG10_SHIFTABLE = [[i, ro, rm, tr] for i, (ro, rm, tr) in enumerate(zip(_RO, _RM, _TR))]
+
+# Figure 3 (7B/30B, 32 GPUs): the text's findings (its bars carry no labels)
+FIG3_TEXT = ("qualitative (§2): rollout has headroom under colocated and disaggregated, "
+             "training idles under disaggregated, shiftable reduces every role's")
+
 # Figure 11: throughput over disaggregated's, two groups (top: shift strategies, bottom:
 # components; "shiftable" is PivotRL, which is also "vanilla + throughput model + migration")
 FIG11 = {

@@ -44,8 +44,39 @@ def _per_group(result: dict, path: Path, key: str, paper_key: str, ylabel: str,
 
 
 def fig9(result: dict, path: Path) -> Path:
-    return _per_group(result, path, "speedup_vs", "paper_speedup_vs", "shiftable / baseline",
-                      "Figure 9: PivotRL's speed-up over each baseline", 3.2)
+    """Top: each paradigm's tokens/s beside the paper's bar; bottom: the speed-ups."""
+    plt = _plt()
+    groups = list(result.values())
+    fig, axes = plt.subplots(2, len(groups), figsize=(3.2 * len(groups), 6), squeeze=False)
+    for top, bottom, g in zip(axes[0], axes[1], groups):
+        names = list(g["ours"])
+        _pairs(top, names, [g["ours"][p].get("processed_tokens_per_s", np.nan) for p in names],
+               [g["paper_tokens_per_s"].get(p) for p in names], "tokens/s", g["title"])
+        names = list(g["speedup_vs"])
+        _pairs(bottom, names, [g["speedup_vs"][p] for p in names],
+               [g["paper_speedup_vs"].get(p) for p in names], "shiftable / baseline",
+               g["title"])
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle("Figure 9: throughput and PivotRL's speed-up over each baseline", fontsize=9)
+    return _save(fig, path)
+
+
+def fig10(result: dict, path: Path) -> Path:
+    """Devices per role over time: our shiftable run's and the paper's labelled ones."""
+    plt = _plt()
+    panels = [("ours: shiftable (virtual s)", result["ours"].get("shiftable", {})
+               .get("allocation", [])),
+              ("paper: labelled allocations (in order)", result["paper"]["allocation"])]
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.2))
+    for ax, (name, rows) in zip(axes, panels):
+        for i, role in enumerate(("rollout", "reward", "training")):
+            ax.step([r[0] for r in rows], [r[1 + i] for r in rows], where="post",
+                    color=COLORS[role], label=role)
+        ax.set_title(name, fontsize=8)
+        ax.set_ylabel("devices", fontsize=8)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"Figure 10: {result['title']}", fontsize=9)
+    return _save(fig, path)
 
 
 def fig11(result: dict, path: Path) -> Path:
@@ -133,5 +164,5 @@ def table2(result: dict, path: Path) -> Path:
     return _save(fig, path)
 
 
-PLOTS = {"fig9": fig9, "fig3": fig3, "fig11": fig11, "fig13": fig13, "fig14": fig14,
-         "table2": table2}
+PLOTS = {"fig9": fig9, "fig10": fig10, "fig3": fig3, "fig11": fig11, "fig13": fig13,
+         "fig14": fig14, "table2": table2}

@@ -8,7 +8,10 @@ Runs are independent and picklable, so `run_all` spreads them over a process poo
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import shutil
 import statistics
 import tempfile
 from concurrent.futures import ProcessPoolExecutor
@@ -19,7 +22,9 @@ from typing import Callable, Iterable
 log = logging.getLogger(__name__)
 
 KEPT = ("tokens_per_s", "steady_tokens_per_s", "seconds", "shifts", "steps",
-        "idle_fraction")
+        "idle_fraction", "trained_tokens", "role_tokens_per_s", "staleness_held_s",
+        "train_step_s", "shifts_by_kind", "max_lag")
+HARDWARE = ("calibrated", "datasheet")
 
 
 @dataclass(frozen=True)
@@ -30,6 +35,11 @@ class Run:
     overrides: tuple[str, ...] = ()
     fractions: bool = False       # also Figure 3's fractions (writes a trace)
     tag: str = ""                 # what the caller groups it by
+    # calibrated: the config's include (configs/calibration/) over the H20 datasheet's
+    # derivation; datasheet: the include dropped, the derivation alone
+    hardware: str = "calibrated"
+    keep_trace: str = ""          # a folder to keep a `fractions` run's trace in, for
+    #                               `pivotrl report` (<tag>-<paradigm>-<seed>.h5)
 
     def all_overrides(self) -> list[str]:
         return [*self.overrides, f"paradigm.name={self.paradigm}", f"rl.seed={self.seed}"]
@@ -41,23 +51,97 @@ class Outcome:
     figures: dict = field(default_factory=dict)
 
 
-def run_one(run: Run) -> Outcome:
-    from pivotrl_hpc.config import load_config
+CACHE_VERSION = 1   # bump when what a run's figures mean changes
+
+
+def run_one(run: Run, cache: str | None = None) -> Outcome:
+    """Simulate `run`; with `cache` (a folder), a run whose resolved config and constants
+    were simulated before is read back (the simulator is deterministic): the calibration's
+    last run set is then fig9's seed-0 baselines."""
     from pivotrl_hpc.config.validate import check_kv_capacity
-    from pivotrl_hpc.sim.profile import H20
+    from pivotrl_hpc.controller.flow import ControllerError
+    from pivotrl_hpc.sim.profile import H20, calibrated
     from pivotrl_hpc.sim.run import SimConstants, simulate
     from pivotrl_hpc.sim.standin import stand_in
 
     with tempfile.TemporaryDirectory(prefix="pivotrl-reproduce-") as scratch:
-        cfg, _ = stand_in(load_config(run.config, run.all_overrides(), check_files=False),
-                          Path(scratch))
+        cfg, _ = stand_in(load_run(run), Path(scratch))
         check_kv_capacity(cfg)
+        constants = calibrated(SimConstants.from_profile(cfg, H20), cfg.calibration)
+        entry = _entry(cache, cfg, constants, run.fractions)
+        if entry is not None and entry.is_file():
+            return Outcome(run, json.loads(entry.read_text()))
         trace = Path(scratch) / "run.h5" if run.fractions else None
-        summary = simulate(cfg, SimConstants.from_profile(cfg, H20), trace)
+        try:
+            summary = simulate(cfg, constants, trace)
+        except ControllerError as e:   # the job failed: the figures say so, others go on
+            log.error("%s %s seed %d failed: %s", run.tag, run.paradigm, run.seed, e)
+            return Outcome(run, {"error": f"{type(e).__name__}: {e}"})
         figures = {k: summary.get(k) for k in KEPT}
+        figures["processed_tokens_per_s"] = processed(summary)
         if trace is not None:
             figures["low_fraction"] = low_fractions(trace)
+            figures["allocation"] = allocation(trace)
+            if run.keep_trace:
+                Path(run.keep_trace).mkdir(parents=True, exist_ok=True)
+                shutil.copy(trace, Path(run.keep_trace) / f"{run.tag}-{run.paradigm}-"
+                                                          f"{run.seed}.h5")
+    if entry is not None:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        entry.write_text(json.dumps(figures))
     return Outcome(run, figures)
+
+
+def _code() -> str:
+    """A hash of the simulator's sources (the packages a simulated run executes): a cached
+    run is stale once any of them changes."""
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for pkg in SIMULATED:
+        for f in sorted((root / pkg).rglob("*.py")):
+            h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+SIMULATED = ("sim", "controller", "sched", "plan", "task", "trace")
+
+
+def load_run(run: Run):
+    """The run's config: with its calibration include (`hardware` calibrated) or without
+    (datasheet: the H20 derivation alone), the run's overrides on top."""
+    from pivotrl_hpc.config import load_config
+
+    if run.hardware not in HARDWARE:
+        raise ValueError(f"hardware {run.hardware!r} is not one of {', '.join(HARDWARE)}")
+    return load_config(run.config, run.all_overrides(), check_files=False,
+                       includes=run.hardware == "calibrated")
+
+
+def _entry(cache: str | None, cfg, constants, fractions: bool) -> Path | None:
+    """The cache file of a run: a hash of everything the simulation reads (the resolved
+    config but for the stood-in model folders and the trace path, the constants)."""
+    if cache is None:
+        return None
+    from pivotrl_hpc.config.load import to_dict
+
+    d = to_dict(cfg)
+    d.pop("trace", None)
+    for m in d["models"].values():
+        m.pop("path", None)
+    d["data"].pop("train", None)
+    d["data"].pop("validation", None)
+    key = json.dumps({"v": CACHE_VERSION, "code": _code(), "config": d,
+                      "constants": constants.to_dict(), "fractions": fractions},
+                     sort_keys=True, default=str)
+    return Path(cache) / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
+
+
+def processed(summary: dict) -> float:
+    """Figure 9's "total tokens processed" a second as this project counts it: the tokens
+    the rollout and the reward generate (responses and judgements), over the run's seconds;
+    the throughput of the two roles the paper's Equation 1 and Figure 10 measure
+    (docs/calibration.md has why, and the arithmetic on H20s)."""
+    return sum((summary.get("role_tokens_per_s") or {}).values())
 
 
 def low_fractions(trace: Path) -> dict[str, float | None]:
@@ -68,19 +152,41 @@ def low_fractions(trace: Path) -> dict[str, float | None]:
         return fractions(t.table("timeseries"), t.table("steps"))
 
 
+def allocation(trace: Path) -> list[list[float]]:
+    """Figure 10's allocation: [t, rollout, reward, training devices] at each change of the
+    trace's timeseries rows (one row a role per log interval)."""
+    from pivotrl_hpc.trace import open_trace
+
+    with open_trace(str(trace)) as t:
+        ts = t.table("timeseries")
+    now: dict[str, int] = {}
+    out: list[list[float]] = []
+    for t_, role, dev in zip(ts["t"], ts["role"], ts["devices"]):
+        role = role.decode() if isinstance(role, bytes) else str(role)
+        now[role] = int(dev)
+        row = [round(float(t_), 1), now.get("rollout", 0), now.get("reward", 0),
+               now.get("training", 0)]
+        if out and out[-1][0] == row[0]:
+            out[-1] = row
+        elif not out or out[-1][1:] != row[1:]:
+            out.append(row)
+    return out
+
+
 def run_all(runs: Iterable[Run], jobs: int = 1,
-            progress: Callable[[Outcome, int, int], None] | None = None) -> list[Outcome]:
+            progress: Callable[[Outcome, int, int], None] | None = None,
+            cache: str | None = None) -> list[Outcome]:
     """Every run, in the order given; `jobs` > 1 runs them on that many processes."""
     runs = list(runs)
     out: list[Outcome] = []
     if jobs <= 1:
         for r in runs:
-            out.append(run_one(r))
+            out.append(run_one(r, cache))
             if progress:
                 progress(out[-1], len(out), len(runs))
         return out
     with ProcessPoolExecutor(jobs) as pool:
-        for o in pool.map(run_one, runs):
+        for o in pool.map(run_one, runs, [cache] * len(runs)):
             out.append(o)
             if progress:
                 progress(o, len(out), len(runs))
