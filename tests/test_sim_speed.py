@@ -128,3 +128,20 @@ def test_sequences_waiting_past_max_num_seqs_are_held_not_lost(monkeypatch):
     summary = ctl.run()
     assert summary["steps"] == 3 and summary["in_flight_at_end"] == 0
     assert longest[0] > STALL_STEPS
+
+
+def test_tokens_at_is_splitmix64_per_position():
+    """The modeled tokens, drawn with numpy where a sequence lands, are the Python
+    splitmix64 rounds of the sequence's seed at each position (as they always were)."""
+    from pivotrl_hpc.sim.modeled import _seed, tokens_at
+
+    mask, golden, mix = (1 << 64) - 1, 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9
+
+    def by_hand(sid: str, p: int, vocab: int) -> int:
+        z = (_seed(sid) + p * golden) & mask
+        z = ((z ^ (z >> 30)) * mix) & mask
+        return (z ^ (z >> 27)) % vocab
+
+    for sid, start, n, vocab in (("0", 0, 50, 64), ("1234", 7, 3000, 64), ("x", 10**6, 5, 151_936)):
+        assert tokens_at(sid, start, n, vocab) == [by_hand(sid, p, vocab)
+                                                   for p in range(start, start + n)]

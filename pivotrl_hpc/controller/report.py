@@ -112,6 +112,8 @@ class Reporter:
 
     def planner(self, plan_id: int, snap, plan, report, seconds: float, executed: int,
                 reason: str) -> None:
+        if isinstance(self.trace, NullTrace):   # no trace: its row's dicts would be wasted
+            return                              # (a third of `bench sim --gpus 1024`)
         cands = [c.to_dict() for c in report.candidates] if report is not None else (
             [plan.to_dict()] if plan is not None else [])
         chosen = -1
