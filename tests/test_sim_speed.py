@@ -145,3 +145,36 @@ def test_tokens_at_is_splitmix64_per_position():
     for sid, start, n, vocab in (("0", 0, 50, 64), ("1234", 7, 3000, 64), ("x", 10**6, 5, 151_936)):
         assert tokens_at(sid, start, n, vocab) == [by_hand(sid, p, vocab)
                                                    for p in range(start, start + n)]
+
+
+def test_tokens_drawn_where_a_sequence_lands_give_the_per_step_run(tiny_models, tmp_path,
+                                                                  monkeypatch):
+    """The same job with each sequence's tokens drawn at once where it lands and drawn per
+    Step (modeled.DRAW_AHEAD off, the old way): the same summary and the same trace rows,
+    float for float (migrations and preemptions included: they land it again)."""
+    from pivotrl_hpc.config import load_config
+    from pivotrl_hpc.sim import modeled
+    from pivotrl_hpc.sim.run import SimConstants, simulate
+    from pivotrl_hpc.trace import open_trace
+
+    cfg = load_config(ROOT / "configs" / "tiny-cpu.yaml",
+                      [*model_overrides(tiny_models), "rl.steps=3", "rl.staleness=2",
+                       "workload.rollout_median=60", "workload.genrm_median=30"])
+    runs = {}
+    for ahead in (True, False):
+        monkeypatch.setattr(modeled, "DRAW_AHEAD", ahead)
+        path = tmp_path / f"ahead-{ahead}.h5"
+        summary = simulate(cfg, SimConstants.from_config(cfg), path)
+        summary.pop("peak_rss_mb")
+        with open_trace(str(path)) as t:
+            # repr: a float's every bit, and NaN (TrainStep rows have no engine_s) equal
+            tables = {n: {k: [repr(x) for x in v] for k, v in t.table(n).items()
+                          if k != "decision_s"}
+                      for n in ("sequences", "work", "fits", "planner", "shifts", "steps")}
+        runs[ahead] = summary, tables
+    (fast, fast_rows), (slow, slow_rows) = runs[True], runs[False]
+    events = "".join(fast_rows["sequences"]["event"])
+    assert "migrate" in events and "preempt" in events   # sequences did land twice
+    assert fast == slow
+    for name, table in fast_rows.items():
+        assert table == slow_rows[name], name

@@ -27,6 +27,7 @@ from pivotrl_hpc.sched.model import ThroughputModel
 
 
 _GOLDEN, _MIX = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9
+DRAW_AHEAD = True   # a sequence's tokens drawn where it lands (False: per Step, the old way)
 
 
 @lru_cache(maxsize=1 << 16)
@@ -59,11 +60,14 @@ class _Seq:
     remaining: int
     sampling: object
     # the tokens it will generate here, drawn at once where it lands (tokens_at per Step
-    # was a fifth of the simulator's time); generated[start:] came from it
+    # was a fifth of the simulator's time); generated[start:] came from it. Empty with
+    # DRAW_AHEAD off: drawn per Step, as before (the identity test runs both)
     ahead: list[int] = field(default_factory=list)
     start: int = 0
 
-    def next_tokens(self, k: int) -> list[int]:
+    def next_tokens(self, sid: str, k: int, vocab: int) -> list[int]:
+        if not self.ahead:
+            return tokens_at(sid, len(self.generated), k, vocab)
         at = len(self.generated) - self.start
         return self.ahead[at:at + k]
 
@@ -155,9 +159,9 @@ class ModeledWorker:
                 done = len(s.generated_ids)
                 self.seqs[s.seq_id] = _Seq(list(s.prompt_ids), list(s.generated_ids),
                                            list(s.generated_logprobs), s.max_new_tokens,
-                                           s.sampling, tokens_at(s.seq_id, done,
-                                                                 s.max_new_tokens, self.vocab),
-                                           done)
+                                           s.sampling, tokens_at(
+                                               s.seq_id, done, s.max_new_tokens, self.vocab)
+                                           if DRAW_AHEAD else [], done)
                 tokens += len(s.prompt_ids) + len(s.generated_ids)
             return len(cmd.seqs), self.slowdown * tokens * self.prefill_s_per_token.get(
                 self._model(), 0.0)
@@ -232,7 +236,7 @@ class ModeledWorker:
             progress += [SeqProgress(sid, [], []) for sid in islice(self.seqs, len(running),
                                                                      None)]
         for sid, s in live:
-            toks = s.next_tokens(k)
+            toks = s.next_tokens(sid, k, self.vocab)
             s.generated += toks
             s.logprobs += [-1.0] * k
             s.remaining -= k
