@@ -145,13 +145,13 @@ def test_fig10_allocation_shape_by_hand():
     20 labels, training is up at 3; a timed series weighs each row by its duration."""
     from pivotrl_hpc.reproduce.experiments import allocation_shape
 
-    shape = allocation_shape(paper.FIG10_SHIFTABLE, timed=False)
+    shape = allocation_shape(paper.FIG10_SHIFTABLE)
     assert shape == {"reward_half_or_more": 0.95, "training_up": 0.15, "rollout_max": 32,
                      "reward_max": 32}
     # as labelled: two labels hold 24 (8 GPUs between roles, mid-shift)
     assert [sum(r[1:]) for r in paper.FIG10_SHIFTABLE].count(32) == 18
     timed = allocation_shape([[0.0, 32, 0, 0], [10.0, 8, 24, 0], [40.0, 0, 24, 8],
-                              [50.0, 16, 16, 0]])
-    assert timed == {"reward_half_or_more": pytest.approx(40 / 50),
-                     "training_up": pytest.approx(10 / 50), "rollout_max": 32,
+                              [50.0, 16, 16, 0]], end=60.0)
+    assert timed == {"reward_half_or_more": pytest.approx(50 / 60),
+                     "training_up": pytest.approx(10 / 60), "rollout_max": 32,
                      "reward_max": 24}

@@ -119,7 +119,7 @@ class Lab:
                        "staleness_held_s": mean_std([r["staleness_held_s"] or 0.0
                                                      for r in got])[0],
                        "idle_fraction": mean_std([r["idle_fraction"] for r in got])[0],
-                       "shifts_by_kind": got[0]["shifts_by_kind"], "errors": failed}
+                       "shifts_by_kind": got[0].get("shifts_by_kind"), "errors": failed}
         ok = [p for p in FIG9_PARADIGMS if PROCESSED in ours[p]]
         speedup = {p: ours["shiftable"][PROCESSED] / ours[p][PROCESSED]
                    for p in ok if p != "shiftable" and "shiftable" in ok}
@@ -162,10 +162,10 @@ class Lab:
         got = self._traced(g, ("disaggregated", "shiftable"))
         return {"title": paper.TITLES[g],
                 "ours": {p: {"allocation": f.get("allocation", []),
-                             **allocation_shape(f.get("allocation", []))}
+                             **allocation_shape(f.get("allocation", []), f.get("seconds"))}
                          for p, f in got.items()},
                 "paper": {"allocation": paper.FIG10_SHIFTABLE,
-                          **allocation_shape(paper.FIG10_SHIFTABLE, timed=False)},
+                          **allocation_shape(paper.FIG10_SHIFTABLE)},
                 "note": "ours time-weighted over the run; the paper's over Figure 10's "
                         "labelled allocations (its time axis is cut), so roughly"}
 
@@ -254,14 +254,16 @@ class Lab:
                         "planner), one process; the paper's: its planner on live workloads"}
 
 
-def allocation_shape(rows: list[list[float]], timed: bool = True) -> dict:
-    """Fractions of time (of rows, untimed) with reward on >= half the devices, with training
-    up, and rollout's largest device count. `rows`: [t, rollout, reward, training]."""
+def allocation_shape(rows: list[list[float]], end: float | None = None) -> dict:
+    """Fractions of time with reward on >= half the devices and with training up, and
+    rollout's and reward's largest device counts. `rows`: [t, rollout, reward, training] at
+    each change, the last holding until `end` (the run's seconds); end None: every row
+    weighs the same (the paper's labels, whose time axis is cut)."""
     if not rows:
         return {}
-    total = max(sum(rows[0][1:]), max(sum(r[1:]) for r in rows))
-    spans = ([b[0] - a[0] for a, b in zip(rows, rows[1:])] + [0.0] if timed
-             else [1.0] * len(rows))
+    total = max(sum(r[1:]) for r in rows)
+    spans = ([b[0] - a[0] for a, b in zip(rows, rows[1:])] + [max(0.0, end - rows[-1][0])]
+             if end is not None else [1.0] * len(rows))
     whole = sum(spans) or 1.0
     return {"reward_half_or_more": sum(s for s, r in zip(spans, rows) if r[2] >= total / 2)
             / whole,

@@ -79,6 +79,7 @@ def run_one(run: Run, cache: str | None = None) -> Outcome:
             return Outcome(run, {"error": f"{type(e).__name__}: {e}"})
         figures = {k: summary.get(k) for k in KEPT}
         figures["processed_tokens_per_s"] = processed(summary)
+        figures["code"] = code()
         if trace is not None:
             figures["low_fraction"] = low_fractions(trace)
             figures["allocation"] = allocation(trace)
@@ -92,9 +93,10 @@ def run_one(run: Run, cache: str | None = None) -> Outcome:
     return Outcome(run, figures)
 
 
-def _code() -> str:
-    """A hash of the simulator's sources (the packages a simulated run executes): a cached
-    run is stale once any of them changes."""
+def code() -> str:
+    """A hash of the simulator's sources (the packages a simulated run executes), kept with
+    each run's figures: the JSON says which sources made each number (a cached run keeps
+    the hash of the sources that ran it)."""
     root = Path(__file__).resolve().parents[1]
     h = hashlib.sha256()
     for pkg in SIMULATED:
@@ -119,7 +121,9 @@ def load_run(run: Run):
 
 def _entry(cache: str | None, cfg, constants, fractions: bool) -> Path | None:
     """The cache file of a run: a hash of everything the simulation reads (the resolved
-    config but for the stood-in model folders and the trace path, the constants)."""
+    config but for the stood-in model folders and the trace path, the constants). Not the
+    sources: the simulator's speed-ups keep its results (tests/test_sim_speed.py); each
+    entry records its sources' hash (`code`)."""
     if cache is None:
         return None
     from pivotrl_hpc.config.load import to_dict
@@ -130,9 +134,8 @@ def _entry(cache: str | None, cfg, constants, fractions: bool) -> Path | None:
         m.pop("path", None)
     d["data"].pop("train", None)
     d["data"].pop("validation", None)
-    key = json.dumps({"v": CACHE_VERSION, "code": _code(), "config": d,
-                      "constants": constants.to_dict(), "fractions": fractions},
-                     sort_keys=True, default=str)
+    key = json.dumps({"v": CACHE_VERSION, "config": d, "constants": constants.to_dict(),
+                      "fractions": fractions}, sort_keys=True, default=str)
     return Path(cache) / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
 
 
