@@ -108,17 +108,17 @@ def test_sequences_waiting_past_max_num_seqs_are_held_not_lost(monkeypatch):
     from pivotrl_hpc.controller.flow import STALL_STEPS
     from pivotrl_hpc.sim.modeled import ModeledWorker
 
-    waited: dict[tuple[int, str], int] = {}   # (device, sequence) -> Steps held so far
+    waited: dict[tuple[int, str], int] = {}   # (device, sequence) -> Steps held
     longest = [0]
     iterations = ModeledWorker._iterations
 
     def watched(self, most, first=True):
-        out = iterations(self, most, first)
-        for p in out.progress:
-            key = (self.device, p.seq_id)
-            waited[key] = 0 if p.token_ids else waited.get(key, 0) + 1
-            longest[0] = max(longest[0], waited[key])
-        return out
+        if first:   # a Step begins: every sequence past the first max_num_seqs waits it out
+            for sid in list(self.seqs)[self.max_num_seqs:]:
+                key = (self.device, sid)
+                waited[key] = waited.get(key, 0) + 1
+                longest[0] = max(longest[0], waited[key])
+        return iterations(self, most, first)
 
     monkeypatch.setattr(ModeledWorker, "_iterations", watched)
     ctl, workers = make_controller("shiftable", bootstrap=split_bootstrap(), batch_size=8,

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from pivotrl_hpc.controller.clock import VirtualClock
+from pivotrl_hpc.controller.flow import STALL_STEPS
 from pivotrl_hpc.engines.vllm.types import (AbortedSequence, EngineOptions, FinishedSequence,
                                             SeqProgress, StepOutput)
 from pivotrl_hpc.runtime.messages import (Abort, AddSequences, Command, Prepare, QueryState,
@@ -27,6 +28,9 @@ from pivotrl_hpc.sched.model import ThroughputModel
 
 
 _GOLDEN, _MIX = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9
+# sequences held without a slot are reported (progress without tokens) every this many
+# Steps: often enough for flow.STALL_STEPS, not every Step (hundreds wait at long judgements)
+HELD_EVERY = STALL_STEPS // 4
 DRAW_AHEAD = True   # a sequence's tokens drawn where it lands (False: per Step, the old way)
 
 
@@ -102,6 +106,7 @@ class ModeledWorker:
     _due: list[tuple[float, Reply]] = field(default_factory=list)
     _free_at: float = 0.0
     _warm: set = field(default_factory=set)   # roles that have run a Step on this device
+    steps: int = 0                            # Steps run here
     log: list[str] = field(default_factory=list)
     train_seconds: list[float] = field(default_factory=list)   # each TrainStep's here
 
@@ -166,6 +171,7 @@ class ModeledWorker:
             return len(cmd.seqs), self.slowdown * tokens * self.prefill_s_per_token.get(
                 self._model(), 0.0)
         if isinstance(cmd, Step):
+            self.steps += 1
             outs, left = [], cmd.iterations
             while left > 0:
                 out = self._iterations(left, first=not outs)
@@ -230,7 +236,7 @@ class ModeledWorker:
         if first and self.late_finish:  # reported by the Step after its last token
             finished += [self._finished(sid) for sid, s in list(self.seqs.items())
                          if s.remaining <= 0]
-        if first and len(self.seqs) > len(running):
+        if first and self.steps % HELD_EVERY == 1 and len(self.seqs) > len(running):
             # held without a slot: progress without tokens, so that the controller knows
             # they are not lost (flow.STALL_STEPS) while they wait their turn
             progress += [SeqProgress(sid, [], []) for sid in islice(self.seqs, len(running),
