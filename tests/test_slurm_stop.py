@@ -54,18 +54,34 @@ def _job_processes(job: str, wait_s: float = 10.0) -> list[str]:
         time.sleep(0.5)
 
 
+def _error_lines(trace: Path) -> list[str]:
+    """ERROR lines of the job's rank logs."""
+    logs = trace.with_suffix(".logs")
+    return [line for f in sorted(logs.glob("rank-*.log")) for line in
+            f.read_text(errors="replace").splitlines() if " ERROR " in line]
+
+
 @pytest.fixture(scope="module")
 def stopped(slurm_cluster, tiny_models, tmp_path_factory):
     """Two 1-node jobs at once (they share the machine: fine for stopping, not for speed):
-    one hits --time=1, the other (shiftable, checkpoints every 2 steps) is cancelled once its
-    first checkpoint is whole, rollout well under way."""
+    one (on n2) hits --time=1, the other (on n1, shiftable, checkpoints every 2 steps) is
+    cancelled once its first checkpoint is whole, rollout well under way.
+
+    Once the cancelled one has ended, while the other runs into its limit, two more start
+    (suite time; their tests wait for them): `pivotrl resume --wait` of the cancelled run (a
+    half-written checkpoint put there first, as a cancel mid-write leaves it), and
+    `pivotrl submit --wait` of a two-node job (learn-cpu at 2 x 2, 1 step: 2 GPUs of each
+    node). Not earlier: the time-limited job must be up within its minute."""
+    from pivotrl_hpc.checkpoint.layout import latest, root_for
+
     out = {}
     # --no-requeue: the time-limit signal (sent at once: the limit is shorter than its lead)
     # asks for a checkpoint only, and the job runs into its limit
-    for name, limit, extra in (("timeout", "--time=1", ["rl.steps=200"]),
-                               ("cancel", "--time=10", CANCELLED)):
+    for name, limit, node, extra in (("timeout", "--time=1", "n2", ["rl.steps=200"]),
+                                     ("cancel", "--time=10", "n1", CANCELLED)):
         folder = tmp_path_factory.mktemp(name)
-        job = submit_pivot(slurm_cluster, folder, ["--gres=gpu:4", limit, "--no-requeue"],
+        job = submit_pivot(slurm_cluster, folder,
+                           ["--gres=gpu:4", limit, "--no-requeue", "-w", node],
                            LEARN, [*model_overrides(tiny_models), *extra])
         out[name] = {"job": job, "folder": folder,
                      "trace": folder / "runs" / f"pivotrl-{job}" / "learn-cpu.h5"}
@@ -76,9 +92,27 @@ def stopped(slurm_cluster, tiny_models, tmp_path_factory):
         time.sleep(0.5)
     c["events_at_cancel"] = _sequence_events(c["trace"])
     slurm_cluster.run("scancel", c["job"])
-    for r in out.values():
-        r["res"] = wait_job(slurm_cluster, r["job"], r["folder"] / "job.out", timeout=300)
-    return out
+    c["res"] = wait_job(slurm_cluster, c["job"], c["folder"] / "job.out", timeout=300)
+    # what it left, before the resume starts in its run folder
+    c["processes"], c["errors"] = _job_processes(c["job"]), _error_lines(c["trace"])
+    run = c["trace"].parent
+    c["ckpt"] = latest(root_for(c["trace"]))
+    (root_for(c["trace"]) / ".step-000009.tmp" / "optim").mkdir(parents=True)
+    c["resume"] = _start_pivotrl("resume", str(run.relative_to(c["folder"])), "--wait",
+                                 cwd=c["folder"], env=slurm_cluster.env)
+    two = out["two_nodes"] = {"folder": tmp_path_factory.mktemp("two-nodes")}
+    two["proc"] = _start_pivotrl("submit", LEARN, *model_overrides(tiny_models), *TWO_NODES,
+                                 "rl.steps=1", "--wait", "--runs-root",
+                                 str(two["folder"] / "runs"), cwd=two["folder"],
+                                 env=slurm_cluster.env)
+    t = out["timeout"]
+    t["res"] = wait_job(slurm_cluster, t["job"], t["folder"] / "job.out", timeout=300)
+    t["processes"], t["errors"] = _job_processes(t["job"]), _error_lines(t["trace"])
+    yield out
+    for proc in (c["resume"], two["proc"]):
+        if proc.poll() is None:    # its test did not run: do not leave it waiting
+            proc.kill()
+            proc.communicate()
 
 
 @pytest.mark.parametrize("how,state", [("cancel", "CANCELLED"), ("timeout", "TIMEOUT")])
@@ -94,35 +128,30 @@ def test_a_stopped_job_leaves_a_readable_trace_and_nothing_behind(stopped, slurm
         events = list(t.table("events")["message"])
         assert t.meta["paradigm"] == "shiftable"
     assert any("stopped by SIGTERM" in m for m in events), events
-    assert job_segments(r["job"]) == [] and _job_processes(r["job"]) == []
+    assert job_segments(r["job"]) == [] and r["processes"] == []
     # an orderly stop logs no error (every device "did not answer Shutdown within 5 s")
-    logs = r["trace"].with_suffix(".logs")
-    errors = [line for f in sorted(logs.glob("rank-*.log")) for line in
-              f.read_text(errors="replace").splitlines() if " ERROR " in line]
-    assert not errors, errors[:5]
+    assert not r["errors"], r["errors"][:5]
 
 
 def test_scancel_came_mid_run(stopped):
     assert stopped["cancel"]["events_at_cancel"] >= 1
 
 
-def test_pivotrl_resume_continues_a_cancelled_run_in_its_folder(stopped, submitit_env,
-                                                                  slurm_cluster):
+def test_pivotrl_resume_continues_a_cancelled_run_in_its_folder(stopped):
     """`pivotrl resume runs/pivotrl-ID` (relative to the submit dir, as the user types it):
     the next segment in the same run folder, from the newest checkpoint, every step trained
     once, training shifted down again after the resume; a half-written checkpoint the
     cancel left is removed."""
-    from pivotrl_hpc.checkpoint.layout import latest, root_for, segments
+    from pivotrl_hpc.checkpoint.layout import root_for, segments
     from pivotrl_hpc.trace import open_trace
 
     c = stopped["cancel"]
-    run, root = c["trace"].parent, root_for(c["trace"])
-    ckpt = latest(root)
+    run, root, ckpt = c["trace"].parent, root_for(c["trace"]), c["ckpt"]
     at = json.loads((ckpt / "state.json").read_text())["step"]
-    (root / ".step-000009.tmp" / "optim").mkdir(parents=True)    # cancelled mid-write
-    p = _pivotrl("resume", str(run.relative_to(c["folder"])), "--wait", cwd=c["folder"])
-    assert p.returncode == 0, p.stdout + p.stderr[-3000:]
-    summary = json.loads(p.stdout.splitlines()[-1])
+    p = c["resume"]
+    stdout, stderr = p.communicate(timeout=900)
+    assert p.returncode == 0, stdout + stderr[-3000:]
+    summary = json.loads(stdout.splitlines()[-1])
     assert summary["steps"] == 5 and Path(summary["run_folder"]) == run
     parts = segments(c["trace"])
     assert [x.name for x in parts] == ["learn-cpu.h5", "learn-cpu.seg1.h5"]
@@ -155,21 +184,26 @@ def _pivotrl(*args: str, cwd: Path, timeout: float = 900) -> subprocess.Complete
                           capture_output=True, text=True, timeout=timeout, cwd=cwd)
 
 
-def test_pivotrl_submit_wait_on_two_nodes_prints_the_summary(submitit_env, tiny_models,
-                                                             tmp_path, slurm_cluster):
+def _start_pivotrl(*args: str, cwd: Path, env: dict[str, str]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "pivotrl_hpc.cli.main", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=cwd, env=env)
+
+
+def test_pivotrl_submit_wait_on_two_nodes_prints_the_summary(stopped, slurm_cluster):
     """Two nodes: submitit waits for the batch step's one result (it waited for one per node,
     and a completed job "failed"); no --time: a day, said at submit, not submitit's 5 min."""
-    p = _pivotrl("submit", LEARN, *model_overrides(tiny_models), *TWO_NODES, "rl.steps=1",
-                 "--wait", "--runs-root", str(tmp_path / "runs"), cwd=tmp_path)
-    assert p.returncode == 0, p.stdout + p.stderr[-3000:]
-    first, summary = p.stdout.splitlines()[0], json.loads(p.stdout.splitlines()[-1])
+    p, folder = stopped["two_nodes"]["proc"], stopped["two_nodes"]["folder"]
+    stdout, stderr = p.communicate(timeout=900)
+    assert p.returncode == 0, stdout + stderr[-3000:]
+    first, summary = stdout.splitlines()[0], json.loads(stdout.splitlines()[-1])
     job = first.split()[2].rstrip(";")
     assert "time limit 24:00:00 (the default; --time sets it); 120 s before it the job " \
            "checkpoints and requeues itself" in first
     info = slurm_cluster.run("scontrol", "show", "job", "-o", job).stdout
     assert "TimeLimit=1-00:00:00" in info and "NumNodes=2" in info
     assert summary["steps"] == 1 and summary["job_id"] == job and summary["tokens_per_s"] > 0
-    assert Path(summary["run_folder"]) == tmp_path / "runs" / f"pivotrl-{job}"
+    assert Path(summary["run_folder"]) == folder / "runs" / f"pivotrl-{job}"
     assert Path(summary["trace"]).is_file()
     assert job_segments(job) == []
 
@@ -190,23 +224,27 @@ def test_submit_of_a_broken_config_raises_with_its_error(submitit_env, tiny_mode
 
 def test_pivotrl_submit_refuses_before_queueing(submitit_env, tiny_models, tmp_path):
     """A bad config, a request the config or the partition (2 nodes of 8 GPUs) can never
-    satisfy, and sbatch's own refusal: one line each, exit 2, nothing left behind."""
+    satisfy, and sbatch's own refusal: one line each, exit 2, nothing left behind. The seven
+    commands run at once (each is mostly its imports)."""
     base = ["submit", LEARN, *model_overrides(tiny_models)]
-    for extra, message in ((["rl.stpes=1"], "unknown key"),
-                           (["--gpus-per-node", "2"], "the config needs 4 GPUs per node"),
-                           (["--nodes", "2"], "the config needs 1 node(s) (cluster.nodes) but "
-                                              "2 were asked for: submit with --nodes 1"),
-                           (["cluster.nodes=3"], "partition debug has 2 node(s) but the job "
-                                                 "asks for 3 (cluster.nodes)"),
-                           (["--gpus-per-node", "9"], "at most 8 GPUs but the job asks for 9"),
-                           (["--partition", "nosuch"], "partition 'nosuch' does not exist"),
-                           (["--constraint", "nosuch"], "sbatch refused the job: sbatch: "
-                                                        "error: Batch job submission failed: "
-                                                        "Invalid feature specification")):
-        p = _pivotrl(*base, *extra, "--runs-root", str(tmp_path), cwd=tmp_path, timeout=120)
-        assert p.returncode == 2 and p.stderr.startswith("pivotrl submit: ") \
-            and message in p.stderr, (extra, p.stderr)
-        assert len(p.stderr.strip().splitlines()) == 1, p.stderr
+    cases = ((["rl.stpes=1"], "unknown key"),
+             (["--gpus-per-node", "2"], "the config needs 4 GPUs per node"),
+             (["--nodes", "2"], "the config needs 1 node(s) (cluster.nodes) but "
+                                "2 were asked for: submit with --nodes 1"),
+             (["cluster.nodes=3"], "partition debug has 2 node(s) but the job "
+                                   "asks for 3 (cluster.nodes)"),
+             (["--gpus-per-node", "9"], "at most 8 GPUs but the job asks for 9"),
+             (["--partition", "nosuch"], "partition 'nosuch' does not exist"),
+             (["--constraint", "nosuch"], "sbatch refused the job: sbatch: "
+                                          "error: Batch job submission failed: "
+                                          "Invalid feature specification"))
+    procs = [_start_pivotrl(*base, *extra, "--runs-root", str(tmp_path), cwd=tmp_path,
+                            env=dict(os.environ)) for extra, _ in cases]
+    for p, (extra, message) in zip(procs, cases):
+        _, stderr = p.communicate(timeout=120)
+        assert p.returncode == 2 and stderr.startswith("pivotrl submit: ") \
+            and message in stderr, (extra, stderr)
+        assert len(stderr.strip().splitlines()) == 1, stderr
     assert not (tmp_path / "submitit").exists()                # nothing was submitted
 
 
