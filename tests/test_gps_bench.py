@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-KEYS = {"size_mb", "read_gbps", "write_gbps", "replicate_gbps", "memcpy_gbps", "read_vs_memcpy"}
+KEYS = {"size_mb", "read_gbps", "write_gbps", "replicate_gbps", "memcpy_gbps", "read_vs_memcpy",
+        "read_tensors_gbps", "memcpy_tensors_gbps", "read_tensors_vs_memcpy_tensors"}
 
 
 @pytest.mark.slow
@@ -22,3 +23,5 @@ def test_bench_gps_prints_the_json_object():
     assert KEYS <= res.keys() and res["size_mb"] == 32
     assert all(res[k] > 0 for k in KEYS - {"size_mb"})
     assert res["read_vs_memcpy"] == pytest.approx(res["read_gbps"] / res["memcpy_gbps"], rel=0.01)
+    assert res["read_tensors_vs_memcpy_tensors"] == pytest.approx(
+        res["read_tensors_gbps"] / res["memcpy_tensors_gbps"], rel=0.01)

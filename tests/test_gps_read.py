@@ -16,6 +16,7 @@ from pivotrl_hpc.gps.layout import ParallelPlace
 from pivotrl_hpc.gps.local import local_agent
 from pivotrl_hpc.gps.segment import GPSMemoryError, check_memory
 from pivotrl_hpc.gps.shapes import ModelShape
+from pivotrl_hpc.gps.tensors import runs
 
 MODELS = ("policy", "genrm")
 
@@ -104,6 +105,27 @@ def test_zero_copy_and_out(client, tiny_models):
     out = {k: torch.empty_like(v) for k, v in hf.items()}
     got = client.read("policy", out=out)
     assert all(got[k] is out[k] and torch.equal(out[k], hf[k]) for k in hf)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_read_into_buffers_is_one_memmove_per_run(client, tiny_models, tp):
+    """`buffers` lays the destinations out like the segment: at TP=1 a whole-model Read into
+    them is a single memmove (the bench's read_gbps); TP slices still land exactly."""
+    hf = _hf(tiny_models, "genrm")
+    place = ParallelPlace(tp, tp - 1)
+    out = client.buffers("genrm", place)
+    got = client.read("genrm", place, out=out)
+    assert got.keys() == hf.keys() and all(got[k] is out[k] for k in hf)
+    for name, t in hf.items():
+        assert got[name].numpy().tobytes() == _direct_slice(name, t, tp, tp - 1).contiguous(
+        ).numpy().tobytes(), name
+    with client.pin("genrm") as pin:
+        views = client.read("genrm", place, copy=False, pin=pin)
+        joined, rest = runs([(out[k], views[k]) for k in views])
+        if tp == 1:
+            assert len(joined) == 1 and not rest
+            assert joined[0][2] == sum(t.numel() * t.element_size() for t in hf.values())
+        assert all(d % 4096 == s % 4096 for d, s, _ in joined)   # no 4K aliasing
 
 
 def test_memory_error_names_bytes():

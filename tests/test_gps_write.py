@@ -71,12 +71,15 @@ def test_write_versions_pins_and_recycling(client, agent, tiny_models):
     shape = ModelShape.from_hf_config(tiny_models / "policy")
     v0 = client.state(m).current
     old = client.pin(m)
+    buf = client.buffers(m)   # one buffer, Read into again after every Write
     inodes = {}
     for step in (1, 2):
         new = {k: v + step for k, v in hf.items()}
         assert _write_tp2(client, m, new, shape) == {v0 + step}
         got = client.read(m)
         assert all(torch.equal(got[k], new[k]) for k in hf)
+        client.read(m, out=buf)
+        assert all(torch.equal(buf[k], new[k]) for k in hf)
         inodes[v0 + step] = _inode(client, m, v0 + step)
     client.sync()
     st = client.state(m)
@@ -93,6 +96,10 @@ def test_write_versions_pins_and_recycling(client, agent, tiny_models):
     assert _files(agent, m) == {f"v{v0 + 2}.spare", f"v{v0 + 3}"}
     got = client.read(m)
     assert all(torch.equal(got[k], hf[k] + 3) for k in hf)
+    client.read(m, out=buf)   # the spare's inode under a new version: mapped afresh
+    assert all(torch.equal(buf[k], hf[k] + 3) for k in hf)
+    # the client keeps mappings of live versions only (v0+1 under the spare's inode dropped)
+    assert {v for name, v, _ in client._maps if name == m} == {v0 + 3}
     # DP replicas other than rank 0 do not write
     h = client.write(m, {}, ParallelPlace(dp_size=2, dp_rank=1))
     assert h.done()

@@ -1,12 +1,16 @@
 """`pivotrl bench gps`: GPS Read / Write / replicate bandwidth against a plain memcpy.
 
 One JSON object: size_mb, read_gbps (all readers together, each Reading the whole model at
-TP=1 into preallocated tensors, as an engine reloading its parameters does; per reader the best
-of `--repeats` rounds, rounds interleaved with the memcpy baseline), write_gbps (one
-Write of the whole model into a recycled version, until the handle completes), replicate_gbps
-(node 1 -> node 2 through the real agents under mpirun, write time excluded), memcpy_gbps (the
-same readers doing `np.copyto` of the same size at the same time: this machine's limit) and
-read_vs_memcpy; plus the Read latency of the tiny policy and GenRM.
+TP=1 into the buffers `GPSClient.buffers` lays out, as a worker that keeps its copy does: one
+memmove; per reader the best of `--repeats` rounds, rounds interleaved with the baselines),
+memcpy_gbps (the same readers doing `np.copyto` of the same size at the same time: this
+machine's limit) and read_vs_memcpy; read_tensors_gbps (the Read into one torch tensor per
+parameter, as an engine's own parameters are) against memcpy_tensors_gbps (plain per-tensor
+memmoves of the same segment bytes into the same tensors) and their ratio: per tensor glibc
+copies without streaming stores, hence lower (gps/tensors.py); write_gbps (one Write of the
+whole model into a recycled version, until the handle completes), replicate_gbps (node 1 ->
+node 2 through the real agents under mpirun, write time excluded); plus the Read latency of
+the tiny policy and GenRM.
 """
 from __future__ import annotations
 
@@ -64,10 +68,13 @@ def _spawn(mode: str, *args: str, env: dict | None = None) -> subprocess.Popen:
                             env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
 
 
-def _concurrent(n: int, *args: str) -> tuple[float, float]:
-    """n workers start together and alternate a Read and a memcpy of the same size, `repeats`
-    times; each kind's aggregate is the sum over workers of their best round (bandwidth on a
-    shared VM is noisy, and interleaving exposes both kinds to the same noise)."""
+KINDS = ("read", "memcpy", "read_tensors", "memcpy_tensors")
+
+
+def _concurrent(n: int, *args: str) -> dict[str, float]:
+    """n workers start together and alternate each of KINDS, `repeats` times; each kind's
+    aggregate is the sum over workers of their best round (bandwidth on a shared VM is noisy,
+    and interleaving exposes every kind to the same noise)."""
     start_at = str(time.time() + 8.0)  # after imports and buffer warm-up
     procs = [_spawn("--worker-mixed", start_at, *args) for _ in range(n)]
     outs = []
@@ -76,32 +83,45 @@ def _concurrent(n: int, *args: str) -> tuple[float, float]:
         if p.returncode != 0 or not lines:
             raise RuntimeError(f"bench reader failed with exit code {p.returncode}")
         outs.append(json.loads(lines[-1]))
-    return sum(o["read"] for o in outs), sum(o["memcpy"] for o in outs)
+    return {k: sum(o[k] for o in outs) for k in KINDS}
 
 
 def _worker_mixed(start_at: str, job: str, node: str, repeats: str) -> None:
+    import ctypes
+
     import numpy as np
+    import torch
 
     from pivotrl_hpc.gps.client import GPSClient
-    from pivotrl_hpc.gps.tensors import empty
     c = GPSClient(job, node)
-    # Read's destination is allocated like the memcpy baseline's (numpy), then touched
-    out = {k: empty(v.shape, v.dtype) for k, v in c.read("bench").items()}
-    c.read("bench", out=out)
+    # read: into GPS-laid-out buffers (one memmove), against one np.copyto of the same size;
+    # read_tensors: into one torch tensor each (an engine's parameters), against plain
+    # per-tensor memmoves of the same segment bytes into the same tensors
+    out = c.buffers("bench")
+    params = {k: torch.empty_like(v) for k, v in out.items()}
+    pin = c.pin("bench")
+    views = c.read("bench", copy=False, pin=pin)
+    plain = [(params[k].data_ptr(), v.data_ptr(), v.numel() * v.element_size())
+             for k, v in views.items()]
     nbytes = sum(t.numel() * t.element_size() for t in out.values())
     src = np.ones(nbytes, dtype=np.uint8)
     dst = np.empty_like(src)
-    np.copyto(dst, src)
+    kinds = {"read": lambda: c.read("bench", out=out),
+             "memcpy": lambda: np.copyto(dst, src),
+             "read_tensors": lambda: c.read("bench", out=params),
+             "memcpy_tensors": lambda: [ctypes.memmove(*a) for a in plain]}
+    for fn in kinds.values():   # every destination touched before timing
+        fn()
     time.sleep(max(0.0, float(start_at) - time.time()))
-    best = {"read": 0.0, "memcpy": 0.0}
+    best = dict.fromkeys(KINDS, 0.0)
     for _ in range(int(repeats)):
-        t0 = time.perf_counter()
-        c.read("bench", out=out)
-        t1 = time.perf_counter()
-        np.copyto(dst, src)
-        t2 = time.perf_counter()
-        best["read"] = max(best["read"], nbytes / (t1 - t0) / 1e9)
-        best["memcpy"] = max(best["memcpy"], nbytes / (t2 - t1) / 1e9)
+        for k, fn in kinds.items():
+            t0 = time.perf_counter()
+            fn()
+            best[k] = max(best[k], nbytes / (time.perf_counter() - t0) / 1e9)
+    del views
+    pin.release()
+    c.close()
     print(json.dumps(best))
 
 
@@ -202,12 +222,14 @@ def main(args: argparse.Namespace) -> int:
         nbytes = synthetic_model(folder, args.size_mb)
         res["model_bytes"] = nbytes
         with local_agent({"bench": str(folder)}) as agent:
-            res["read_gbps"], res["memcpy_gbps"] = _concurrent(
-                args.readers, agent.job, agent.node, str(args.repeats))
+            res.update({f"{k}_gbps": v for k, v in _concurrent(
+                args.readers, agent.job, agent.node, str(args.repeats)).items()})
             c = agent.client()
             res["write_gbps"] = _bench_write(c, folder)
             c.close()
         res["read_vs_memcpy"] = res["read_gbps"] / res["memcpy_gbps"]
+        res["read_tensors_vs_memcpy_tensors"] = (res["read_tensors_gbps"]
+                                                 / res["memcpy_tensors_gbps"])
         res["replicate_gbps"] = None if args.no_replicate else _bench_replicate(folder,
                                                                                 args.transport)
     if not args.no_tiny:

@@ -3,8 +3,10 @@
 Read needs no message to the agent: the client takes a consistent snapshot of the model's
 versions from the control block (seqlock), pins the current version with a shared `flock` on
 its segment file, and slices the tensors its place needs straight out of the mapping (one
-copy, or zero-copy views while the caller holds the pin). Under the hybrid layout the tensors
-this node does not hold are pulled by the agent into a private staging segment first.
+copy, or zero-copy views while the caller holds the pin); into `buffers()` the copy of a
+whole model is one memmove (gps/tensors.py says why that matters). Under the hybrid layout
+the tensors this node does not hold are pulled by the agent into a private staging segment
+first.
 
 Write sends `begin_write` (the agent answers with the new version's segment), copies this
 rank's slices into it, sends `written` with the byte ranges it filled and returns a
@@ -44,14 +46,14 @@ from pivotrl_hpc.gps.handles import (  # noqa: F401 - GPSWriteError: imported fr
     FollowWrite, GPSWriteError, Pin, WriteHandle)
 from pivotrl_hpc.gps.arch import VOCAB, split_of
 from pivotrl_hpc.gps.layout import (ParallelPlace, byte_ranges,
-                                    covering_range, hybrid_owner, normalized, put, take,
+                                    covering_range, hybrid_owner, normalized, pieces, put, take,
                                     target_index)
 from pivotrl_hpc.gps.plan import merge_ranges
 from pivotrl_hpc.gps.segment import (DTYPES, SHM_DIR, Header, Segment, itemsize, segment_name,
                                      open_own, reserve_file, staging_prefix)
 from pivotrl_hpc.gps.shapes import ModelShape
 from pivotrl_hpc.gps.tensors import copy_into as _copy
-from pivotrl_hpc.gps.tensors import to_megatron
+from pivotrl_hpc.gps.tensors import copy_runs, packed, to_megatron
 
 log = logging.getLogger(__name__)
 
@@ -187,8 +189,23 @@ class GPSClient:
             if own_pin:
                 pin.release()
 
-    def _read_pinned(self, model, pin, place, layout, copy, out, padded_vocab_size):
-        seg = pin.segment
+    def buffers(self, model: str, place: ParallelPlace = ParallelPlace(),
+                version: int | None = None) -> dict[str, Tensor]:
+        """Destinations for `read(model, place, out=...)` (HF layout) that make that Read one
+        copy: views of one buffer laid out like the segment's tensors (tensors.packed), for a
+        worker that keeps them; one shared storage, so not parameters freed by resizing it."""
+        with self.pin(model, version) as pin:
+            seg = pin.segment
+            wanted = self._wanted(model, seg, place, "hf", None)
+            infos = seg.header.tensors
+            # meta tensors: no byte read (reading a hybrid segment's holes allocates them)
+            like = {n: take(torch.empty(infos[n].shape, dtype=DTYPES[infos[n].dtype],
+                                        device="meta"), idx) for n, idx in wanted.items()}
+            at = {n: seg.tensor(n)[pieces(idx)[0]].data_ptr() for n, idx in wanted.items()}
+            return packed(like, at)
+
+    def _wanted(self, model, seg, place, layout, padded_vocab_size) -> dict:
+        """name -> the index of that tensor `place` needs, in the segment's data order."""
         shape = self.shape(model, seg)
         wanted = {}
         for name, info in seg.header.tensors.items():
@@ -201,21 +218,31 @@ class GPSClient:
                              min((place.tp_rank + 1) * rows, info.shape[0])), slice(None))
             if idx is not None:
                 wanted[name] = idx
+        return wanted
+
+    def _read_pinned(self, model, pin, place, layout, copy, out, padded_vocab_size):
+        seg = pin.segment
+        shape = self.shape(model, seg)
+        wanted = self._wanted(model, seg, place, layout, padded_vocab_size)
         sources = self._remote_sources(model, pin, wanted) if self.ctl.group_size > 1 else {}
         to_device = out is not None and device.on_device(out.values())
         if to_device:
             seg.register_device(writable=False)   # kept with the mapping: once per version
         res: dict[str, Tensor] = {}
+        pairs = []   # (destination, source view): copied together, back-to-back runs joined
         for name, idx in wanted.items():
             src = sources.get(name)
             view = take(seg.tensor(name), idx) if src is None else src
             if out is not None and name in out:
-                res[name] = _copy(out[name], view)
+                res[name] = out[name]
             elif copy or src is not None:
                 # torch-allocated: consumers may free parameters by resizing storages to 0
-                res[name] = _copy(torch.empty(view.shape, dtype=view.dtype), view)
+                res[name] = torch.empty(view.shape, dtype=view.dtype)
             else:
                 res[name] = view
+                continue
+            pairs.append((res[name], view))
+        copy_runs(pairs)
         device.synchronize(to_device)   # the bytes are copied before the pin is released
         if layout == "megatron":
             return to_megatron(res, shape, place, padded_vocab_size)

@@ -186,6 +186,7 @@ class Segment:
         self.path, self.mm, self.header, self.fd = path, mm, header, fd
         self._u8 = np.frombuffer(mm, dtype=np.uint8)
         self._registered: int | None = None   # address page-locked for device copies
+        self._views: dict[str, torch.Tensor] = {}   # per tensor: ~25 us each to make
 
     @classmethod
     def create(cls, path: Path, header: Header,
@@ -249,6 +250,13 @@ class Segment:
         return self._u8[d + start: d + stop]
 
     def tensor(self, name: str) -> torch.Tensor:
+        """Tensor `name`, a view of the mapping, made once (a client Reads a kept mapping)."""
+        view = self._views.get(name)
+        if view is None:
+            view = self._views[name] = self._view(name)
+        return view
+
+    def _view(self, name: str) -> torch.Tensor:
         t = self.header.tensors[name]
         raw = self.bytes_view(t.start, t.stop)
         with _quiet_readonly():
@@ -267,6 +275,7 @@ class Segment:
         if self._registered is not None:   # before the unmap: the driver holds its pages
             device.unregister(self._registered)
             self._registered = None
+        self._views.clear()
         self._u8 = None
         try:
             self.mm.close()
