@@ -9,7 +9,9 @@ import pytest
 from pivotrl_hpc.gps import control
 from pivotrl_hpc.gps.layout import (ParallelPlace, TensorInfo, byte_ranges, choose_group_size,
                                     covering_range, hybrid_owner, target_index)
-from pivotrl_hpc.gps.plan import LinkModel, PlanCache, assign, estimated_seconds, refine
+from pivotrl_hpc.gps.plan import (MAX_CHUNKS, MIN_CHUNK, LinkModel, PlanCache, Transfer, assign,
+                                  chain, chunk_size, estimated_seconds, pipelined_seconds,
+                                  refine)
 from pivotrl_hpc.gps.shapes import ModelShape
 
 SHAPE = ModelShape(vocab_size=512, hidden_size=128, intermediate_size=512, num_layers=2,
@@ -54,6 +56,70 @@ def test_contiguous_slices_merge_and_local_ones_move_nothing():
     links = LinkModel(overhead_s=0.0)
     plan = assign([((0, 10), 1, (0,)), ((10, 20), 1, (0,)), ((20, 30), 1, (1,))], links)
     assert [(t.src, t.dst, t.start, t.stop) for t in plan] == [(0, 1, 0, 20)]
+
+
+def test_a_write_goes_down_a_chain_of_its_receivers():
+    """Writer 0, receivers 1..3, pieces of 25: each receiver pulls a piece from the node
+    before it once that node holds it, so the Write takes M/B + (N-2) c/B (100 + 2 x 25),
+    where the writer alone sending to all three takes 3 M/B."""
+    links = LinkModel(local_bps=1.0, remote_bps=1.0, overhead_s=0.0)
+    holders, targets = {0: [(0, 100)]}, {n: [(0, 100)] for n in range(4)}
+    plan = chain(holders, targets, links, chunk=25)
+    assert plan.transfers[:4] == (Transfer(0, 1, 0, 25), Transfer(1, 2, 0, 25),
+                                  Transfer(2, 3, 0, 25), Transfer(0, 1, 25, 50))
+    for n in (1, 2, 3):   # every receiver gets the whole model once, from one node
+        got = [t for t in plan.transfers if t.dst == n]
+        assert {t.src for t in got} == {n - 1} and sum(t.nbytes for t in got) == 100
+    assert [plan.step(t) for t in plan.transfers if t.dst == 3] == [0, 1, 2, 3]
+    assert pipelined_seconds(plan.transfers, links) == 150.0
+    star = assign(refine(holders, targets), links)
+    assert pipelined_seconds(star, links) == estimated_seconds(star, links) == 300.0
+
+
+def test_chains_start_at_every_holder_and_carry_only_what_a_node_lacks():
+    links = LinkModel(overhead_s=0.0)
+    # two writers of one half each (a TP group over two nodes): the first half goes 0 -> 1
+    # -> 2 -> 3, the second 1 -> 2 -> 3 -> 0
+    plan = chain({0: [(0, 50)], 1: [(50, 100)]}, {n: [(0, 100)] for n in range(4)}, links,
+                 chunk=50)
+    assert [(t.src, t.dst, t.start) for t in plan.transfers] == [
+        (0, 1, 0), (1, 2, 0), (2, 3, 0), (1, 2, 50), (2, 3, 50), (3, 0, 50)]
+    # two holders of everything: two lines, each as long as half the receivers
+    plan = chain({0: [(0, 100)], 1: [(0, 100)]}, {n: [(0, 100)] for n in range(6)}, links,
+                 chunk=100)
+    assert [(t.src, t.dst) for t in plan.transfers] == [(0, 2), (2, 3), (1, 4), (4, 5)]
+    # the hybrid layout: a node is in the line of the slices it owns only
+    plan = chain({0: [(0, 100)]}, {0: [(0, 100)], 1: [(0, 60)], 2: [(60, 100)],
+                                   3: [(0, 60)]}, links, chunk=100)
+    assert [(t.src, t.dst, t.start, t.stop) for t in plan.transfers] == [
+        (0, 1, 0, 60), (1, 3, 0, 60), (0, 2, 60, 100)]
+
+
+def test_chunk_size_trades_the_pipeline_fill_against_the_pieces_overhead():
+    links = LinkModel(remote_bps=50e9, overhead_s=20e-6)
+    m = 15_231_233_024          # Qwen2.5-7B in bf16
+    assert chunk_size(m, 1, links) == m                      # nobody forwards: one piece
+    assert chunk_size(m, 3, links) == int((m * 20e-6 * 50e9 / 2) ** 0.5)   # the optimum
+    assert chunk_size(m, 127, links) == m // MAX_CHUNKS      # at most MAX_CHUNKS pieces
+    assert chunk_size(5_000_000, 2, LinkModel()) == MIN_CHUNK
+    assert chunk_size(100, 2, LinkModel()) == 100
+
+
+def test_a_chain_of_128_nodes_takes_about_one_model_transfer():
+    """Qwen2.5-7B from one writer to 127 nodes over 50 GB/s IB: the pipeline needs (pieces +
+    hops - 1) piece times, 1.29x one transfer of the model; the star plan 127x."""
+    links = LinkModel(local_bps=63e9, remote_bps=50e9, overhead_s=20e-6)
+    m, nodes = 15_231_233_024, 128
+    holders, targets = {0: [(0, m)]}, {n: [(0, m)] for n in range(nodes)}
+    plan = chain(holders, targets, links)
+    c = plan.chunk
+    assert c == m // MAX_CHUNKS and len(plan.transfers) == MAX_CHUNKS * (nodes - 1)
+    one = links.cost(m, 0, 1)
+    took = pipelined_seconds(plan.transfers, links)
+    assert took == pytest.approx((MAX_CHUNKS + nodes - 2) * links.cost(c, 0, 1))
+    assert 1.25 < took / one < 1.3
+    star = assign(refine(holders, targets), links)
+    assert pipelined_seconds(star, links) == pytest.approx((nodes - 1) * one)
 
 
 def test_plan_cache_hits_by_signature():

@@ -98,19 +98,35 @@ def test_fig3_fractions_are_fractions_of_every_role_held(lab):
 
 
 def test_fig13_replication_is_the_gps_plans_by_hand():
-    """Qwen2.5-7B in bf16 (15,231,233,024 bytes) written from one node (training TP=4) and
-    pulled by every other node over 50 GB/s IB: (nodes - 1) x bytes / IB, plus the plan's
-    20 us a transfer; the shift seconds are the profile's, whatever the GPU count."""
+    """Qwen2.5-7B in bf16 (15,231,233,024 bytes) written from one node (training TP=4) over
+    50 GB/s IB, 20 us a transfer. The star plan of before: the writer sends each other node
+    its copy, (nodes - 1) x (bytes / IB + 20 us). The chain: pieces of c bytes go down the
+    nodes, (pieces + nodes - 2) piece times, flat within 1.5x from 16 to 1024 GPUs. The
+    shift seconds are the profile's, whatever the GPU count."""
+    from pivotrl_hpc.gps.plan import MAX_CHUNKS, chunk_size, LinkModel
     from pivotrl_hpc.sim.profile import H20
 
-    rows = Lab(ROOT / "configs", SCALE).fig13()["rows"]
-    size = 15_231_233_024
+    fig = Lab(ROOT / "configs", SCALE).fig13()
+    rows, size = fig["rows"], 15_231_233_024
+    links = LinkModel(local_bps=H20.pcie_bps, remote_bps=H20.ib_bps)
     for r in rows:
         others = r["nodes"] - 1
-        assert r["write_replication_bytes"] == others * size
-        assert r["write_replication_s"] == pytest.approx(others * (size / H20.ib_bps + 20e-6))
+        assert r["write_replication_star_bytes"] == r["write_replication_bytes"] == others * size
+        assert r["write_replication_star_s"] == pytest.approx(
+            others * (size / H20.ib_bps + 20e-6))
+        c = chunk_size(size, others, links)
+        pieces = -(-size // c)
+        assert pieces <= MAX_CHUNKS
+        if size % c == 0:   # every piece of one size: the pipeline's figure exactly
+            assert r["write_replication_s"] == pytest.approx(
+                (pieces + others - 1) * (c / H20.ib_bps + 20e-6))
+        assert size / H20.ib_bps < r["write_replication_s"] < 1.3 * size / H20.ib_bps
         assert r["rollout"] == rows[0]["rollout"] and r["reward"] == rows[0]["reward"]
-    assert [r["nodes"] for r in rows] == [2, 4, 8, 16]
+    assert [r["nodes"] for r in rows] == [2, 4, 8, 16, 32, 64, 128]
+    assert rows[-1]["write_replication_star_s"] > 38     # 127 copies from the writer
+    assert fig["write_replication_growth"] == pytest.approx(
+        rows[-1]["write_replication_s"] / rows[0]["write_replication_s"])
+    assert fig["write_replication_growth"] < 1.5         # flat to 1024 GPUs
     assert rows[0]["rollout"][0] == pytest.approx(H20.engine_wake_s + size / H20.pcie_bps)
 
 
@@ -128,7 +144,7 @@ def test_pivotrl_reproduce_writes_json_and_pngs(tmp_path):
     rows = json.loads((tmp_path / "table2.json").read_text())["rows"]
     assert [r["gpus"] for r in rows] == list(QUICK.table2_gpus)
     assert all(r["total_s"] > 0 and r["candidates"] > 0 for r in rows)
-    assert len(json.loads((tmp_path / "fig13.json").read_text())["rows"]) == 4
+    assert len(json.loads((tmp_path / "fig13.json").read_text())["rows"]) == 7
     for name in ("fig13.png", "fig14.png", "table2.png"):
         check_png(tmp_path / name)
 

@@ -10,9 +10,10 @@ paper's (reproduce/paper.py).
   at shiftable's training width, against fig9's disaggregated and shiftable, on the
   paper's two groups;
 - fig14: H from 0.01 to 600 on the 7B/30B group: throughput and shifts per step;
-- fig13: shift seconds of the 7B/30B group against GPU count (16 to 128): each role's
-  shift up and down from the profile, and the GPS Write's replication to every node as the
-  agents' plan moves it (gps.plan over the H20 cluster's IB links);
+- fig13: shift seconds of the 7B/30B group against GPU count (16 to 1024; the paper's to
+  128): each role's shift up and down from the profile, and the GPS Write's replication to
+  every node as the agents' plan moves it (gps.plan.chain over the H20 cluster's IB links),
+  beside the star plan the agents used before (the writers send every node its copy);
 - table2: the planner's wall time on synthetic snapshots, 16 to 1024 GPUs (bench planner).
 """
 from __future__ import annotations
@@ -28,6 +29,7 @@ from pivotrl_hpc.reproduce.runs import Outcome, Run, mean_std, run_all
 FIG9_PARADIGMS = ("colocated", "disaggregated", "rr_colocated", "shiftable")
 FIG11_PARADIGMS = ("static", "rule_based", "vanilla", "vanilla_tm")
 FIG3_GROUP = FIG14_GROUP = "qwen2.5-7b_qwen3-30b-a3b"
+FIG13_GPUS = (16, 32, 64, 128, 256, 512, 1024)
 PROCESSED = "processed_tokens_per_s"
 ACCOUNTING = ("tokens/s = tokens the rollout and the reward generate (responses and "
               "judgements) over the run's seconds (docs/calibration.md); "
@@ -224,20 +226,23 @@ class Lab:
             ps, gs = ModelShape.from_hf_config(pol.path), ModelShape.from_hf_config(gen.path)
         hw, r = pf.H20, cfg.roles
         rows = []
-        for gpus in paper.FIG13_TEXT["gpus"]:
+        for gpus in FIG13_GPUS:
             nodes, train = max(1, gpus // 8), max(r.train_tensor_parallel, gpus // 4)
             # the Write comes from the TP group of DP rank 0: the nodes it spans
             writers = -(-r.train_tensor_parallel // cfg.cluster.devices_per_node)
-            rep_s, rep_bytes = pf.replication(ps.num_params() * itemsize(pol.dtype), nodes,
-                                              writers, hw)
+            rep = _replication(ps.num_params() * itemsize(pol.dtype), nodes, writers, hw)
             rows.append({"gpus": gpus, "nodes": nodes,
                          "rollout": pf.inference_shift(ps, pol.dtype, pol.tensor_parallel, hw),
                          "reward": pf.inference_shift(gs, gen.dtype, gen.tensor_parallel, hw),
                          "training": pf.training_shift(ps, train, r.train_tensor_parallel, hw),
-                         "write_replication_s": rep_s, "write_replication_bytes": rep_bytes})
+                         **rep})
+        flat = rows[-1]["write_replication_s"] / rows[0]["write_replication_s"]
         return {"title": paper.TITLES[g], "rows": rows, "paper": paper.FIG13_TEXT,
+                "write_replication_growth": flat,
                 "note": "(up, down) seconds per role; a shift up Reads the node-local "
-                        "replica, the Write's replication overlaps the next step (§5.1)"}
+                        "replica, the Write's replication overlaps the next step (§5.1); "
+                        "write_replication: the agents' chain plan, _star: the plan before "
+                        "(every node pulled the Write from the writers)"}
 
     # --- Table 2 -------------------------------------------------------------------------
     def table2(self) -> dict:
@@ -269,6 +274,25 @@ def allocation_shape(rows: list[list[float]], end: float | None = None) -> dict:
             / whole,
             "training_up": sum(s for s, r in zip(spans, rows) if r[3] > 0) / whole,
             "rollout_max": max(r[1] for r in rows), "reward_max": max(r[2] for r in rows)}
+
+
+def _replication(nbytes: int, nodes: int, writer_nodes: int, hw) -> dict:
+    """One GPS Write replicated to every node as the agents plan it (gps.plan.chain: every
+    receiver forwards to the next) and as they did before (the writers send every node its
+    copy), each run through plan.pipelined_seconds over the cluster's links: its seconds
+    and the bytes it moves."""
+    from pivotrl_hpc.gps.plan import LinkModel, assign, chain, pipelined_seconds, refine
+
+    links = LinkModel(local_bps=hw.pcie_bps, remote_bps=hw.ib_bps)
+    holders = {n: [(0, nbytes)] for n in range(min(writer_nodes, nodes))}
+    targets = {n: [(0, nbytes)] for n in range(nodes)}
+    plans = {"": chain(holders, targets, links).transfers,
+             "_star": assign(refine(holders, targets), links)}
+    out = {}
+    for suffix, plan in plans.items():
+        out[f"write_replication{suffix}_s"] = pipelined_seconds(plan, links)
+        out[f"write_replication{suffix}_bytes"] = sum(t.nbytes for t in plan)
+    return out
 
 
 def _per_step(runs: list[dict]) -> float:

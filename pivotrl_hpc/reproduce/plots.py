@@ -135,7 +135,10 @@ def fig13(result: dict, path: Path) -> Path:
         up.plot(gpus, [r[role][0] for r in rows], "o-", color=COLORS[role], label=role)
         down.plot(gpus, [r[role][1] for r in rows], "o-", color=COLORS[role], label=role)
     up.plot(gpus, [r["write_replication_s"] for r in rows], "s--", color="black",
-            label="GPS Write replication")
+            label="GPS Write replication (chain)")
+    up.plot(gpus, [r["write_replication_star_s"] for r in rows], "x:", color="black",
+            label="GPS Write replication (star, before)")
+    up.set_yscale("log")
     for (lo, hi), c in zip(result["paper"]["shift_up_s"].values(), ("#999999", "#555555")):
         up.axhspan(lo, hi, color=c, alpha=0.2)
     down.axhline(result["paper"]["shift_down_s_below"], color="#999999", ls=":")
