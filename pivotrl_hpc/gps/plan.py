@@ -70,7 +70,7 @@ def merge_ranges(ranges: Sequence[Range]) -> list[Range]:
     return [(a, b) for a, b in out]
 
 
-class _Cover:
+class Cover:
     """Fast 'does this holder hold [a, b)' over merged ranges."""
 
     def __init__(self, ranges: Sequence[Range]):
@@ -90,7 +90,7 @@ def refine(holders: Mapping[int, Sequence[Range]],
         for a, b in rs:
             cuts.update((a, b))
     points = sorted(cuts)
-    covers = {h: _Cover(rs) for h, rs in holders.items()}
+    covers = {h: Cover(rs) for h, rs in holders.items()}
     demands = []
     for recv in sorted(targets):
         for a, b in merge_ranges(targets[recv]):
