@@ -15,8 +15,6 @@ from functools import lru_cache
 from itertools import islice
 from pathlib import Path
 
-import numpy as np
-
 from pivotrl_hpc.controller.clock import VirtualClock
 from pivotrl_hpc.controller.flow import STALL_STEPS
 from pivotrl_hpc.engines.vllm.types import (AbortedSequence, EngineOptions, FinishedSequence,
@@ -43,6 +41,8 @@ def tokens_at(seq_id: str, start: int, n: int, vocab: int) -> list[int]:
     """The tokens of `seq_id` at positions start..start+n-1: a pure function of the sequence
     and the position (one hash of the id, then splitmix64's first rounds per position, in
     uint64 arithmetic: it wraps modulo 2**64 as splitmix64 does)."""
+    import numpy as np   # here: importing the controller and the simulator stays light
+
     y = np.arange(start, start + n, dtype=np.uint64) * np.uint64(_GOLDEN) \
         + np.uint64(_seed(seq_id))
     z = (y ^ (y >> np.uint64(30))) * np.uint64(_MIX)
