@@ -18,10 +18,17 @@ The submitit job runs shiftable, the sbatch and preempted ones colocated: after 
 training shifts down again (a restored trainer whose state could not be freed crashed there,
 issue 36; colocated shifts it down every step, shiftable when the planner gives its device
 to rollout), and every step of every segment trains its batch within the staleness bound.
+
+The three jobs run at once (suite time: each spends most of its time starting engines and
+waiting for Slurm, not computing), on nodes that keep them apart: the preempted job alone on
+n1 (the urgent job takes all of n1), the other two on n2. The fixture submits them, drives
+each from its own thread and keeps what each test asserts on.
 """
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -32,6 +39,11 @@ pytestmark = pytest.mark.slurm
 LEARN = str(ROOT / "configs" / "learn-cpu.yaml")
 STEPS = 6
 OVERRIDES = [f"rl.steps={STEPS}", "rl.checkpoint_every=2", "rl.batch_size=4"]
+# the submitit job runs longer: its timeout signal reaches the controller through a file the
+# batch step writes, a step or three after it was sent (seen: steps 0-4 before the stop),
+# and shiftable moves training down only now and then; it ends before the requeued job,
+# which it runs beside
+SUBMITIT_STEPS = 12
 PER_STEP = 4 * 4     # rl.batch_size x learn-cpu's rl.group_size
 
 
@@ -102,7 +114,7 @@ def _rows(trace: Path, table: str = "steps") -> int:
         return -1
 
 
-def _check_segments(trace: Path, n: int) -> list[dict]:
+def _check_segments(trace: Path, n: int, steps_in_all: int = STEPS) -> list[dict]:
     from pivotrl_hpc.checkpoint.layout import segments
     from pivotrl_hpc.trace import open_trace
 
@@ -122,7 +134,7 @@ def _check_segments(trace: Path, n: int) -> list[dict]:
             (len(st["step"]) == 0 or int(st["max_lag"].max()) <= 2), (i, st)
         out.append({"meta": meta, "steps": [int(s) for s in st["step"]], "events": events,
                     "training_down": len(down)})
-    assert steps == set(range(STEPS))
+    assert steps == set(range(steps_in_all))
     return out
 
 
@@ -131,30 +143,109 @@ def _restarts(cluster, job: str) -> int:
     return int(dict(t.split("=", 1) for t in info.split() if "=" in t)["Restarts"])
 
 
-def test_sbatch_job_requeued_mid_run_and_by_the_time_limit_signal_completes(
-        slurm_cluster, tiny_models, tmp_path):
-    folder = tmp_path / "job"
-    job = submit_pivot(slurm_cluster, folder, ["--gres=gpu:4", "--time=30"], LEARN,
-                       [*model_overrides(tiny_models), *OVERRIDES, "paradigm.name=colocated"])
+def _requeued(cluster, models: Path, tmp: Path) -> Callable[[], dict]:
+    """sbatch on n2; `scontrol requeue` once step 2's checkpoint is whole; the time-limit
+    signal once the second start trained a step; the third start finishes."""
+    folder = tmp / "requeued"
+    job = submit_pivot(cluster, folder, ["--gres=gpu:4", "--time=30", "-w", "n2"], LEARN,
+                       [*model_overrides(models), *OVERRIDES, "paradigm.name=colocated"])
     run = folder / "runs" / f"pivotrl-{job}"
-    trace, ckpts = run / "learn-cpu.h5", run / "learn-cpu.checkpoints"
-    skip = SkipRequeueDelay(slurm_cluster, job)
-    try:
-        _wait_for("checkpoint of step 2", lambda: (ckpts / "step-000002" / "COMPLETE").exists())
-        slurm_cluster.run("scontrol", "requeue", job)
-        seg1, logs = run / "learn-cpu.seg1.h5", run / "learn-cpu.logs"
-        _wait_for("a step trained after the requeue", lambda: _rows(seg1) >= 1, logs=logs)
-        slurm_cluster.run("scancel", "--batch", "--signal=USR1", job)
-        res = wait_job(slurm_cluster, job, folder / "job.out", timeout=900)
-    finally:
-        skip.stop()
+    ckpts, logs = run / "learn-cpu.checkpoints", run / "learn-cpu.logs"
+
+    def drive() -> dict:
+        skip = SkipRequeueDelay(cluster, job)
+        try:
+            _wait_for("checkpoint of step 2",
+                      lambda: (ckpts / "step-000002" / "COMPLETE").exists())
+            cluster.run("scontrol", "requeue", job)
+            _wait_for("a step trained after the requeue",
+                      lambda: _rows(run / "learn-cpu.seg1.h5") >= 1, logs=logs)
+            cluster.run("scancel", "--batch", "--signal=USR1", job)
+            res = wait_job(cluster, job, folder / "job.out", timeout=900)
+        finally:
+            skip.stop()
+        return {"job": job, "res": res, "trace": run / "learn-cpu.h5", "logs": logs,
+                "restarts": _restarts(cluster, job)}
+    return drive
+
+
+def _preempted(cluster, models: Path, tmp: Path) -> Callable[[], dict]:
+    """sbatch on n1 (rl.preempt_grace_s=90, no periodic checkpoints); a job of the `urgent`
+    partition takes all of n1 once 3 steps are trained."""
+    folder = tmp / "preempted"
+    job = submit_pivot(cluster, folder, ["--gres=gpu:4", "--time=30", "-w", "n1"],
+                       LEARN, [*model_overrides(models), *OVERRIDES, "rl.checkpoint_every=0",
+                               "rl.preempt_grace_s=90", "paradigm.name=colocated"])
+    run = folder / "runs" / f"pivotrl-{job}"
+
+    def drive() -> dict:
+        skip = SkipRequeueDelay(cluster, job)
+        try:
+            # two step intervals: the controller can tell whether a step fits in the grace
+            _wait_for("3 trained steps", lambda: _rows(run / "learn-cpu.h5") >= 3)
+            urgent = cluster.sbatch("-p", "urgent", "-w", "n1", "--gres=gpu:8", "--time=2",
+                                    "-o", "/dev/null", "--wrap", "sleep 5", cwd=tmp)
+            res = wait_job(cluster, job, folder / "job.out", timeout=900)
+        finally:
+            skip.stop()
+        return {"job": job, "res": res, "trace": run / "learn-cpu.h5",
+                "urgent": wait_job(cluster, urgent).state, "restarts": _restarts(cluster, job)}
+    return drive
+
+
+def _submitit(cluster, models: Path, tmp: Path) -> Callable[[], dict]:
+    """`pivotrl_hpc.submit` on n2 (shiftable, no periodic checkpoints); submitit's timeout
+    signal (USR2 to the batch step) once a step is trained."""
+    import pivotrl_hpc
+
+    root = tmp / "submitit-runs"
+    job = pivotrl_hpc.submit(LEARN, [*model_overrides(models), *OVERRIDES,
+                                     "rl.checkpoint_every=0", f"rl.steps={SUBMITIT_STEPS}"],
+                             runs_root=root, time=30,
+                             additional_parameters={"nodelist": "n2"})
+    trace = root / f"pivotrl-{job.job_id}" / "learn-cpu.h5"
+
+    def drive() -> dict:
+        skip = SkipRequeueDelay(cluster, job.job_id)
+        try:
+            _wait_for("a trained step", lambda: _rows(trace) >= 1)
+            cluster.run("scancel", "--batch", "--signal=USR2", job.job_id)
+            summary = job.result()
+        finally:
+            skip.stop()
+        return {"job": job.job_id, "summary": summary, "trace": trace,
+                "restarts": _restarts(cluster, job.job_id)}
+    return drive
+
+
+@pytest.fixture(scope="module")
+def stopped_jobs(slurm_cluster, tiny_models, tmp_path_factory) -> dict[str, Future]:
+    """The three jobs, submitted one after the other and driven at once; each test takes
+    its job's result (or its driver's failure) from the future."""
+    tmp = tmp_path_factory.mktemp("requeue")
+    with pytest.MonkeyPatch.context() as mp:      # submitit's sbatch/sacct: this cluster
+        for k in ("SLURM_CONF", "OMPI_MCA_btl", "UCX_MODULES"):
+            mp.setenv(k, slurm_cluster.env[k])
+        drivers = {name: make(slurm_cluster, tiny_models, tmp) for name, make in
+                   (("preempted", _preempted), ("requeued", _requeued),
+                    ("submitit", _submitit))}
+        with ThreadPoolExecutor(len(drivers)) as pool:
+            futures = {name: pool.submit(drive) for name, drive in drivers.items()}
+            for f in futures.values():
+                f.exception()                     # all three have ended
+    return futures
+
+
+def test_sbatch_job_requeued_mid_run_and_by_the_time_limit_signal_completes(stopped_jobs):
+    r = stopped_jobs["requeued"].result()
+    res, job, logs = r["res"], r["job"], r["logs"]
     assert res.state == "COMPLETED" and res.exit_code == 0, res.output[-3000:]
-    assert _restarts(slurm_cluster, job) == 2
+    assert r["restarts"] == 2
     assert "requeued: it resumes from there" in res.output, res.output[-3000:]
     # the requeue's SIGTERM stopped the first start's controller (its log kept beside)
     first = (logs / "start-1" / "rank-0.log").read_text()
     assert "controller stopped by SIGTERM" in first, first[-3000:]
-    segs = _check_segments(trace, 3)
+    segs = _check_segments(r["trace"], 3)
     assert segs[0]["meta"]["paradigm"] == "colocated"
     assert segs[1]["training_down"] >= 1, segs        # shifted down after resuming
     assert any(kind == "checkpoint" for kind, _ in segs[1]["events"])
@@ -164,64 +255,36 @@ def test_sbatch_job_requeued_mid_run_and_by_the_time_limit_signal_completes(
 
 
 def test_preempted_job_checkpoints_in_its_grace_time_is_requeued_and_resumes_there(
-        slurm_cluster, tiny_models, tmp_path):
+        stopped_jobs):
     """`debug` has GraceTime=90: the job (rl.preempt_grace_s=90, no periodic checkpoints)
     checkpoints after the step it was running when the preemption's SIGTERM came, and the
     requeued job resumes from exactly that checkpoint."""
-    folder = tmp_path / "job"
-    job = submit_pivot(slurm_cluster, folder, ["--gres=gpu:4", "--time=30", "-w", "n1"],
-                       LEARN, [*model_overrides(tiny_models), *OVERRIDES,
-                               "rl.checkpoint_every=0", "rl.preempt_grace_s=90",
-                               "paradigm.name=colocated"])
-    run = folder / "runs" / f"pivotrl-{job}"
-    skip = SkipRequeueDelay(slurm_cluster, job)
-    try:
-        # two step intervals: the controller can tell whether a step fits in the grace
-        _wait_for("3 trained steps", lambda: _rows(run / "learn-cpu.h5") >= 3)
-        urgent = slurm_cluster.sbatch("-p", "urgent", "-w", "n1", "--gres=gpu:8",
-                                      "--time=2", "-o", "/dev/null", "--wrap", "sleep 5",
-                                      cwd=tmp_path)
-        res = wait_job(slurm_cluster, job, folder / "job.out", timeout=900)
-    finally:
-        skip.stop()
+    r = stopped_jobs["preempted"].result()
+    res = r["res"]
     assert res.state == "COMPLETED" and res.exit_code == 0, res.output[-3000:]
-    assert wait_job(slurm_cluster, urgent).state == "COMPLETED"
+    assert r["urgent"] == "COMPLETED"
     assert "checkpoint after the running step, then stop" in res.output, res.output[-3000:]
     # Slurm signals the tasks, not the batch step: the job ends its first start as done
     # after the checkpoint and requeues itself, as at the time limit
     assert "after a stop signal" in res.output and "requeued: it resumes from there" in \
         res.output, res.output[-3000:]
-    assert _restarts(slurm_cluster, job) == 1
-    segs = _check_segments(run / "learn-cpu.h5", 2)
+    assert r["restarts"] == 1
+    segs = _check_segments(r["trace"], 2)
     assert segs[0]["meta"]["paradigm"] == "colocated" and segs[1]["training_down"] >= 1
     # the grace-time checkpoint is the one the second start resumed from
     assert Path(segs[1]["meta"]["resumed_from"]).name == f"step-{segs[0]['steps'][-1] + 1:06d}"
-    assert job_segments(job) == []
+    assert job_segments(r["job"]) == []
 
 
-def test_submitit_timeout_signal_checkpoints_and_requeues(slurm_cluster, tiny_models,
-                                                          tmp_path, monkeypatch):
-    import pivotrl_hpc
-
-    for k in ("SLURM_CONF", "OMPI_MCA_btl", "UCX_MODULES"):
-        monkeypatch.setenv(k, slurm_cluster.env[k])
-    root = tmp_path / "runs"
-    job = pivotrl_hpc.submit(LEARN, [*model_overrides(tiny_models), *OVERRIDES,
-                                     "rl.checkpoint_every=0"], runs_root=root, time=30)
-    trace = root / f"pivotrl-{job.job_id}" / "learn-cpu.h5"
-    skip = SkipRequeueDelay(slurm_cluster, job.job_id)
-    try:
-        _wait_for("a trained step", lambda: _rows(trace) >= 1)
-        slurm_cluster.run("scancel", "--batch", "--signal=USR2", job.job_id)
-        summary = job.result()
-    finally:
-        skip.stop()
-    assert summary["steps"] == STEPS and summary["job_id"] == job.job_id
-    segs = _check_segments(trace, 2)
+def test_submitit_timeout_signal_checkpoints_and_requeues(stopped_jobs):
+    r = stopped_jobs["submitit"].result()
+    summary, job = r["summary"], r["job"]
+    assert summary["steps"] == SUBMITIT_STEPS and summary["job_id"] == job
+    segs = _check_segments(r["trace"], 2, SUBMITIT_STEPS)
     assert Path(segs[1]["meta"]["resumed_from"]).name.startswith("step-")
     assert segs[1]["training_down"] >= 1
-    assert _restarts(slurm_cluster, job.job_id) == 1
-    assert job_segments(job.job_id) == []
+    assert r["restarts"] == 1
+    assert job_segments(job) == []
 
 
 SELF_REQUEUE = """#!/bin/bash
