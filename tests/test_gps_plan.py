@@ -93,6 +93,10 @@ def test_chains_start_at_every_holder_and_carry_only_what_a_node_lacks():
                                    3: [(0, 60)]}, links, chunk=100)
     assert [(t.src, t.dst, t.start, t.stop) for t in plan.transfers] == [
         (0, 1, 0, 60), (1, 3, 0, 60), (0, 2, 60, 100)]
+    # one receiver of slices scattered over the model (k = 2 on two nodes): one step, so
+    # the node pulls them in one request, as the all-to-all did
+    plan = chain({0: [(0, 100)]}, {0: [(0, 100)], 1: [(10, 20), (50, 60), (90, 100)]}, links)
+    assert len(plan.transfers) == 3 and {plan.step(t) for t in plan.transfers} == {0}
 
 
 def test_chunk_size_trades_the_pipeline_fill_against_the_pieces_overhead():

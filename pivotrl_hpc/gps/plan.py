@@ -198,9 +198,11 @@ def chain(holders: Mapping[int, Sequence[Range]], targets: Mapping[int, Sequence
     for rng, recv, who in refine(holders, targets):
         if recv not in who:
             need.setdefault(rng, (who, []))[1].append(recv)
-    if chunk is None:
-        chunk = chunk_size(sum(b - a for a, b in need),
-                           max((len(r) for _, r in need.values()), default=0), links)
+    receivers = max((len(r) for _, r in need.values()), default=0)
+    if chunk is None and receivers <= 1:   # nobody forwards: one step, from each holder
+        chunk = max((b for _, b in need), default=1)
+    elif chunk is None:
+        chunk = chunk_size(sum(b - a for a, b in need), receivers, links)
     span = 1 + max([*holders, *targets], default=0)
     lines_of: dict[tuple, list[list[int]]] = {}
     out: list[Transfer] = []
