@@ -53,3 +53,29 @@ def test_genrm_heavy_bench_searches_every_paradigm(tiny_models):
                                                        ["roles.train_devices=2"]]
     w = bench_e2e.workload(args)
     assert w["steps"] == yaml.safe_load(HEAVY.read_text())["rl"]["steps"]   # --steps 0
+
+
+def test_a_train_steps_work_row_carries_the_trainers_own_seconds():
+    """bench e2e's training-step comparison reads `work.engine_s` of TrainSteps: the
+    trainer's own seconds (metrics["seconds"]), beside the controller's round trip."""
+    from types import SimpleNamespace
+
+    from pivotrl_hpc.controller.report import Reporter
+    from pivotrl_hpc.controller.rl import Sample
+    from pivotrl_hpc.engines.vllm.types import Sampling
+    from pivotrl_hpc.task.types import PromptData, Score
+
+    rows: list[tuple[str, dict]] = []
+    trace = SimpleNamespace(append=lambda table, **row: rows.append((table, row)),
+                            flush=lambda: None)
+    ctl = SimpleNamespace(clock=SimpleNamespace(now=lambda: 5.0),
+                          training=SimpleNamespace(devices=(0,)))
+    samples = []
+    for sid in range(2):
+        s = Sample(sid, PromptData(0, (1, 2, 3), "p", "1"), 0, 4, Sampling(), response=[7, 8],
+                   version=0, score=Score(1.0, 0.0, True))
+        samples.append(s)
+    Reporter(ctl, trace).step(0, {"loss": 0.1, "seconds": 0.42}, samples, 0.5)
+    work = [row for table, row in rows if table == "work"]
+    assert len(work) == 1 and work[0]["seconds"] == 0.5 and work[0]["engine_s"] == 0.42
+    assert work[0]["role"] == "training" and work[0]["tokens"] == 10
