@@ -40,10 +40,12 @@ class FastRole:
         self.n = [len(r.sequences) for r in replicas]
         self.t = [r.n_tok for r in replicas]
         self.cap = [r.kv_capacity for r in replicas]
-        self.entries = [[(s.seq_id, s.length) for s in r.sequences] for r in replicas]
-        self.queue = sorted((s.seq_id, s.length) for s in pool.queue)
+        self.entries = [[(s.seq_id, s.prompt_tokens + s.generated_tokens) for s in r.sequences]
+                        for r in replicas]
+        self.queue = sorted([(s.seq_id, s.prompt_tokens + s.generated_tokens)
+                             for s in pool.queue])
         # Shortest-first (tokens, seq_id) per replica: a sorted list is a heap.
-        self.shortest = [sorted((length, sid) for sid, length in e) for e in self.entries]
+        self.shortest = [sorted([(length, sid) for sid, length in e]) for e in self.entries]
         self.now = sum(map(model.throughput, self.n, self.t), 0.0)
         self.constants: dict = {}  # DispatchIndex's per-(n, capacity) cache, model-wide
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Iterable
 
 from pivotrl_hpc.sched.model import ThroughputModel
@@ -46,9 +47,11 @@ class ReplicaState:
     sequences: tuple[SeqState, ...] = ()
     throughput: float | None = None  # measured tokens/s; None: use the role's model
 
-    @property
+    @cached_property
     def n_tok(self) -> int:
-        return sum(s.length for s in self.sequences)
+        # cached: the planner reads it per replica many times a decision; the instance is
+        # frozen, so the sum never goes stale (cached_property writes __dict__ directly)
+        return sum(s.prompt_tokens + s.generated_tokens for s in self.sequences)
 
 
 @dataclass(frozen=True)
