@@ -1,11 +1,14 @@
-"""Two node agents over MPI on this host (mpirun, no Slurm): NIXL that cannot start falls back
-to MPI, MPI moves ranges larger than its message size in several messages, and under the
-hybrid layout a version another node pins is kept and transfer errors are reported."""
+"""Node agents over MPI on this host (mpirun, no Slurm): NIXL that cannot start falls back to
+MPI, MPI moves ranges larger than its message size in several messages, three agents replicate
+a Write down a chain (the third node's bytes come from the second, and from the writer when the
+second refuses to serve), and under the hybrid layout a version another node pins is kept and
+transfer errors are reported."""
 from __future__ import annotations
 
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import uuid
@@ -14,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from pivotrl_hpc.gps.hf import hf_header
+from pivotrl_hpc.gps.plan import LinkModel, chunk_size
 from pivotrl_hpc.gps.segment import SHM_DIR
 
 PROGRAM = str(Path(__file__).parent / "programs" / "gps_mpi_pair.py")
@@ -32,29 +36,37 @@ def _reports(text: str) -> list[dict]:
     return out
 
 
-def _mpirun(program: str, args: list[str], env: dict) -> tuple[str, list[dict]]:
+def _mpirun(program: str, args: list[str], env: dict, n: int = 2) -> tuple[str, list[dict]]:
     full = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", **env}
     forward = [a for k in env for a in ("-x", k)]
-    p = subprocess.run(["mpirun", "--allow-run-as-root", "--oversubscribe", "-n", "2",
+    p = subprocess.run(["mpirun", "--allow-run-as-root", "--oversubscribe", "-n", str(n),
                         *forward, sys.executable, program, *args], capture_output=True,
                        text=True, env=full, timeout=300)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
     reports = sorted(_reports(p.stdout), key=lambda r: r["rank"])
-    assert [r["rank"] for r in reports] == [0, 1], p.stdout
+    assert [r["rank"] for r in reports] == list(range(n)), p.stdout
     return p.stdout + p.stderr, reports
 
 
-def _run(tiny_models, transport: str, **env) -> list[dict]:
+def _run(tiny_models, transport: str, *scenario: str, n: int = 2,
+         **env) -> tuple[str, list[dict]]:
     job = f"mpipair{uuid.uuid4().hex[:8]}"
-    _, reports = _mpirun(PROGRAM, [str(tiny_models / "policy"), job, transport], env)
+    out, reports = _mpirun(PROGRAM, [str(tiny_models / "policy"), job, transport, *scenario],
+                           env, n)
     assert not list(SHM_DIR.glob(f"pivotrl-{job}-*"))  # each agent removed its own
+    # every node's Read of v1 equals the tensors written on n0
     assert all(r["equal"] and r["version"] == 1 for r in reports), reports
-    return reports
+    return out, reports
+
+
+def _data_bytes(tiny_models) -> int:
+    header, _ = hf_header(tiny_models / "policy", {})
+    return header.total_bytes - header.data_start
 
 
 def test_nixl_that_cannot_start_falls_back_to_mpi(tiny_models):
     # A real NIXL start failure: no backend plugins where NIXL is told to look for them.
-    reports = _run(tiny_models, "nixl", NIXL_PLUGIN_DIR="/nonexistent")
+    _, reports = _run(tiny_models, "nixl", NIXL_PLUGIN_DIR="/nonexistent")
     for r in reports:
         assert r["transport"] == "mpi", r
         assert "No plugins available" in r["fallback"], r
@@ -62,13 +74,56 @@ def test_nixl_that_cannot_start_falls_back_to_mpi(tiny_models):
 
 
 def test_mpi_transfers_cross_the_message_size(tiny_models):
-    header, _ = hf_header(tiny_models / "policy", {})
-    data = header.total_bytes - header.data_start
-    reports = _run(tiny_models, "mpi", PIVOTRL_GPS_MPI_CHUNK_BYTES=str(CHUNK))
+    data = _data_bytes(tiny_models)
+    _, reports = _run(tiny_models, "mpi", PIVOTRL_GPS_MPI_CHUNK_BYTES=str(CHUNK))
     assert [(r["transport"], r["fallback"]) for r in reports] == [("mpi", None)] * 2
     assert data > 4 * CHUNK
     assert reports[1]["chunks"] == math.ceil(data / CHUNK)  # one range, in CHUNK pieces
     assert reports[0]["chunks"] == 0  # n0 held the Write: it pulled nothing
+
+
+# ---- three agents: a Write's replication goes down a chain (plan.chain, relay.py) -------------
+def test_the_second_node_serves_the_third_its_copy_of_a_write(tiny_models):
+    """n0 writes; n1 pulls from n0 and n2 from n1, piece by piece (the agents' own
+    accounting, and the writer's `replicated` notice that gathers every node's)."""
+    data = _data_bytes(tiny_models)
+    _, (n0, n1, n2) = _run(tiny_models, "nixl", n=3)
+    assert [r["transport"] for r in (n0, n1, n2)] == ["nixl"] * 3
+    pieces = -(-data // chunk_size(data, 2, LinkModel()))
+    assert pieces >= 3   # so that n1 forwards a piece while it pulls the next
+    assert n1["replication"] == {"version": 1, "bytes_from": {"0": data}, "steps": pieces,
+                                 "dropped": {}}
+    assert n2["replication"] == {"version": 1, "bytes_from": {"1": data}, "steps": pieces,
+                                 "dropped": {}}
+    assert n0["sources"] == {"0": {}, "1": {"0": data}, "2": {"1": data}}
+
+
+def test_a_relay_that_refuses_to_serve_is_replaced_by_the_writer(tiny_models):
+    """n1's MPI transport refuses every request (the injected fault): n1 still gets v1 from
+    n0, n2 drops n1 after its first piece failed three times and pulls v1 from n0; the bytes
+    each transport sent say so, and every node's v1 equals what n0 wrote."""
+    data = _data_bytes(tiny_models)
+    out, (n0, n1, n2) = _run(tiny_models, "mpi", "relay-refuses", n=3)
+    assert n1["replication"]["bytes_from"] == {"0": data}
+    assert n2["replication"]["bytes_from"] == {"0": data}
+    assert list(n2["replication"]["dropped"]) == ["1"]
+    assert "transfer from node 1 failed 3 times" in n2["replication"]["dropped"]["1"]
+    assert n0["served"] == {"1": data, "2": data} and n1["served"] == {}
+    assert "relay node 1 dropped" in out and "fault injected" in out
+
+
+def test_a_relay_that_stalls_is_replaced_by_the_writer(tiny_models):
+    """n1's process is stopped during the Write: n2 hears nothing from it for its 1 s and
+    pulls v1 from n0, publishes it while n1 is still stopped; n1, let go on, catches up.
+    (The MPI transport: the agents' control messages to a stopped agent must stay under
+    MPI's eager limit, and NIXL's metadata in `segment` does not; see NOTES.)"""
+    data = _data_bytes(tiny_models)
+    _, (n0, n1, n2) = _run(tiny_models, "mpi", "relay-stalls", n=3)
+    assert n2["replication"]["bytes_from"] == {"0": data}
+    assert re.fullmatch(r"announced nothing for \d+\.\d s", n2["replication"]["dropped"]["1"])
+    assert n1["replication"]["bytes_from"] == {"0": data}
+    assert n0["sources"] == {"0": {}, "1": {"0": data}, "2": {"0": data}}
+    assert n0["served"] == {"1": data, "2": data} and n1["served"] == {}
 
 
 # ---- the hybrid layout (k = 2) under a slow reader and transfer faults (issue 11.9) ------------

@@ -15,8 +15,9 @@ Then a single-threaded event loop, so no step ever blocks in C for long (a SIGTE
   workers map the published version directly (control.py).
 - agents talk to each other over an MPI communicator (one rank per node, tag CTRL_TAG):
   `segment` (address of a new version's segment), `have` (byte ranges a node's writers wrote),
-  `published`, `released` (versions no reader of a node pins any more), `write_failed`, `bye`,
-  and the MPI transport's `mpi_get` / `mpi_nack`.
+  `holds` (pieces of a version being replicated that a node now holds, to the next node of its
+  chain), `published`, `released` (versions no reader of a node pins any more),
+  `write_failed`, `bye`, and the MPI transport's `mpi_get` / `mpi_nack`.
 
 What moves between nodes (a Write's replication, the remote part of a hybrid-layout Read) is
 replication.py; old versions are retired by `_collect` (store.py says how).
@@ -78,6 +79,10 @@ class AgentConfig:
     # model -> the version its folder is loaded as (a resumed job: the checkpoint's policy
     # version, so versions keep counting the trained steps); 0 when absent
     first_versions: dict[str, int] = field(default_factory=dict)
+    # a Write's replication (plan.chain): piece size (None: plan.chunk_size from `links`),
+    # and how long a node waits on a silent relay before pulling from the writers instead
+    chunk_bytes: int | None = None
+    relay_wait_s: float = 10.0
 
 
 class NodeAgent(Transfers):
@@ -95,6 +100,7 @@ class NodeAgent(Transfers):
         self._fetches: list[ReadFetch] = []
         # (model, version) -> nodes whose readers released it (hybrid layout, store.collect)
         self._released: dict[tuple[str, int], set[int]] = {}
+        self.replications: dict[str, dict] = {}   # model -> how its last Write came here
         self._byes: set[int] = set()
         self._stopping = False
         self._shm_hold: int | None = None
@@ -247,11 +253,12 @@ class NodeAgent(Transfers):
             w = self._write_for(msg["model"], self._next_version(msg["model"], msg["version"]))
             ranges = [tuple(r) for r in msg["ranges"]]
             w.holders[self.index] = merge_ranges(w.holders.get(self.index, []) + ranges)
+            w.nonces[self.index] = w.nonce
             if conn not in w.waiters:
                 w.waiters.append(conn)
             if self.comm is not None:
                 self._broadcast({"op": "have", "model": w.model, "version": w.version,
-                                 "ranges": ranges})
+                                 "ranges": ranges, "nonce": w.nonce})
             self._reply(conn, {"op": "written", "version": w.version})
         elif op == "fetch":
             self._start_fetch(conn, msg)
@@ -288,9 +295,13 @@ class NodeAgent(Transfers):
             w = self._write_for(msg["model"], msg["version"])
             got = [tuple(r) for r in msg["ranges"]]
             w.holders[src] = merge_ranges(w.holders.get(src, []) + got)
+            w.nonces[src] = msg["nonce"]
+        elif op == "holds":
+            self._on_holds(src, msg)
         elif op == "published":
             w = self._write_for(msg["model"], msg["version"])
             w.published[src] = time.monotonic() - w.t0
+            w.sources[src] = msg["from"]
         elif op == "released":
             for v in msg["versions"]:
                 self._released.setdefault((msg["model"], v), set()).add(src)

@@ -1,28 +1,35 @@
 """What a node agent moves between nodes: the replication of Writes and the remote part of
 hybrid-layout Reads (the NodeAgent's transfer half; agent.py holds the loop and requests).
 
-Write of version v: writers fill the new segment on their node and report the ranges; once the
-union of all nodes' ranges covers the model, every agent plans the all-to-all (plan.py), pulls
-the ranges it lacks from the holders (fetch.Pull), publishes v locally and tells the others.
-When every node has published, the writers' handles complete. A transfer that keeps failing
-fails the Write on every node (`write_failed` to its writers), or the one Read it served.
+Write of version v: writers fill the new segment on their node and report the ranges (`have`,
+with their attempt's nonce); once the union of all nodes' ranges covers the model, every agent
+plans the same pipelined chains (plan.chain) and pulls what it lacks, piece by piece, from the
+node before it in its line (relay.py), telling the node after it of every piece it now holds
+(`holds`, tagged with the attempt, so that a failed attempt's messages never count for the next
+one). A node publishes v only once it holds all of it, then tells the others; when every node
+has, the writers' handles complete. A relay that fails is replaced by the writers (relay.py); a
+transfer from a writer that keeps failing fails the Write on every node (`write_failed` to its
+writers), or the one Read it served.
 
 `Transfers` is a mixin of `NodeAgent`: it uses the agent's `cfg`, `comm`, `index`, `n_nodes`,
 `stores`, `writes`, `seg_info`, `plans`, `ctl`, `transport`, `_fetches`, `_released`,
-`_broadcast`, `_expose`, `_retire` and `_reply`.
+`replications`, `_broadcast`, `_expose`, `_retire` and `_reply`.
 """
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from dataclasses import dataclass, field
 
 from pivotrl_hpc.gps import control
 from pivotrl_hpc.gps.conns import Conn
 from pivotrl_hpc.gps.fetch import Pull, ReadFetch, TransferError, all_done, staging_file
-from pivotrl_hpc.gps.plan import Range, assign, merge_ranges, refine
+from pivotrl_hpc.gps.plan import Range, Transfer, assign, chain, merge_ranges, refine
+from pivotrl_hpc.gps.relay import Relay
 from pivotrl_hpc.gps.segment import RawMap
 from pivotrl_hpc.gps.store import ModelStore
+from pivotrl_hpc.gps.transport import CTRL_TAG
 
 log = logging.getLogger(__name__)
 
@@ -32,12 +39,25 @@ class _Write:
     model: str
     version: int
     holders: dict[int, list[Range]] = field(default_factory=dict)
-    fetches: list[Pull] | None = None
+    # this node's writers' attempt (a failed Write's number is written again), and every
+    # writer node's: together they name the attempt the chain's `holds` messages belong to
+    nonce: str = field(default_factory=lambda: secrets.token_hex(4))
+    nonces: dict[int, str] = field(default_factory=dict)
+    relay: Relay | None = None
+    # attempt -> node -> pieces it announced (`holds`) / when it last did
+    announced: dict[str, dict[int, set[Range]]] = field(default_factory=dict)
+    heard: dict[str, dict[int, float]] = field(default_factory=dict)
+    # node index -> bytes it pulled from each node (its `published` message)
+    sources: dict[int, dict[str, int]] = field(default_factory=dict)
     # node index -> seconds from this agent's first sight of the Write to its publication
     published: dict[int, float] = field(default_factory=dict)
     waiters: list[Conn] = field(default_factory=list)
     deferred: bool = False
     t0: float = field(default_factory=time.monotonic)
+
+    @property
+    def attempt(self) -> str:
+        return ",".join(f"{n}:{x}" for n, x in sorted(self.nonces.items()))
 
 
 def _data_len(store: ModelStore) -> int:
@@ -68,24 +88,32 @@ class Transfers:
     def _advance_writes(self) -> None:
         for key, w in list(self.writes.items()):
             store = self.stores[w.model]
-            if w.fetches is None and self._covered(w):
-                w.fetches = self._replicate(w)
+            if w.relay is None and self._covered(w):
+                w.relay = self._replicate(w)
             try:
-                pulled = w.fetches is not None and all_done(w.fetches)
+                pulled = w.relay is not None and self._relay_step(w)
             except TransferError as e:
                 self._fail_write(w, str(e), tell_peers=True)
                 continue
             if pulled and self.index not in w.published and self._room(store, w):
                 store.publish(self.ctl, w.version)
                 w.published[self.index] = time.monotonic() - w.t0
+                stats = self.replications[w.model] = {"version": w.version,
+                                                      **w.relay.stats()}
+                w.sources[self.index] = stats["bytes_from"]
                 if self.comm is not None:
-                    self._broadcast({"op": "published", "model": w.model, "version": w.version})
-                log.info("GPS %s v%d published on %s", w.model, w.version, self.cfg.node)
+                    self._broadcast({"op": "published", "model": w.model, "version": w.version,
+                                     "from": stats["bytes_from"]})
+                log.info("GPS %s v%d published on %s: bytes from nodes %s in %d steps%s",
+                         w.model, w.version, self.cfg.node, stats["bytes_from"],
+                         stats["steps"], f", relays dropped {stats['dropped']}"
+                         if stats["dropped"] else "")
             if len(w.published) == self.n_nodes:
                 store.drop_unowned(w.version)
                 done = {"op": "replicated", "model": w.model, "version": w.version,
                         "bytes": _data_len(store),
-                        "published_s": {str(n): s for n, s in sorted(w.published.items())}}
+                        "published_s": {str(n): s for n, s in sorted(w.published.items())},
+                        "sources": {str(n): s for n, s in sorted(w.sources.items())}}
                 for conn in w.waiters:
                     self._reply(conn, done)
                 del self.writes[key]
@@ -124,21 +152,45 @@ class Transfers:
         union = merge_ranges([r for rs in w.holders.values() for r in rs])
         return union == [(0, data_len)]
 
-    def _replicate(self, w: _Write) -> list[Pull]:
-        """Plan the all-to-all for this version and start pulling what this node lacks."""
+    def _replicate(self, w: _Write) -> Relay:
+        """Plan this version's chains (every node plans the same) and this node's part."""
         store = self.stores[w.model]
         holders = {n: list(rs) for n, rs in sorted(w.holders.items())}
         signature = ("write", w.model, tuple((n, tuple(rs)) for n, rs in holders.items()),
-                     self.n_nodes, store.ownership.k)
+                     self.n_nodes, store.ownership.k, self.cfg.chunk_bytes)
 
         def build():
             targets = {n: store.owned_ranges(n) for n in range(self.n_nodes)}
-            return assign(refine(holders, targets), self.cfg.links)
+            return chain(holders, targets, self.cfg.links, self.cfg.chunk_bytes)
 
         plan = self.plans.get(signature, build)
         seg = store.versions[w.version]
-        return self._pull(w.model, w.version, [t for t in plan if t.dst == self.index],
-                          lambda a, b: seg.bytes_view(a, b), seg.header.data_start)
+
+        def start(src: int, transfers: list[Transfer]) -> Pull:
+            [pull] = self._pull(w.model, w.version, transfers,
+                                lambda a, b: seg.bytes_view(a, b), seg.header.data_start)
+            return pull
+        return Relay(plan, self.index, holders, start, w.announced.setdefault(w.attempt, {}),
+                     w.heard.setdefault(w.attempt, {}), self.cfg.relay_wait_s, time.monotonic())
+
+    def _relay_step(self, w: _Write) -> bool:
+        """Advance this node's pulls, tell the next nodes what it now holds; True when done."""
+        got = w.relay.advance(time.monotonic())
+        for node, ranges in w.relay.tell(got).items():
+            self.comm.send({"op": "holds", "model": w.model, "version": w.version,
+                            "attempt": w.attempt, "ranges": ranges}, dest=node, tag=CTRL_TAG)
+        return w.relay.done
+
+    def _on_holds(self, src: int, msg: dict) -> None:
+        """A node before this one in a chain holds more pieces of a version being written."""
+        store = self.stores[msg["model"]]
+        if (msg["model"], msg["version"]) not in self.writes and \
+                msg["version"] <= (store.current if store.current is not None else -1):
+            return   # this node has the version already (it had dropped that relay)
+        w = self._write_for(msg["model"], msg["version"])
+        w.announced.setdefault(msg["attempt"], {}).setdefault(src, set()).update(
+            tuple(r) for r in msg["ranges"])
+        w.heard.setdefault(msg["attempt"], {})[src] = time.monotonic()
 
     def _pull(self, model: str, version: int, transfers, local_view,
               data_start: int) -> list[Pull]:

@@ -64,6 +64,7 @@ class MPITransport:
         self.fallback = fallback  # why NIXL was not used, when it was asked for
         self.chunk = chunk_bytes()
         self.chunks_fetched = 0
+        self.bytes_served: dict[int, int] = {}   # peer -> bytes this agent sent it
         self.exposed: dict[Any, np.ndarray] = {}
         self._next_tag = _DATA_TAG0
         self._sending: list = []
@@ -117,6 +118,7 @@ class MPITransport:
                            dest=src, tag=CTRL_TAG)
             return
         for off, n, tag in msg["asks"]:
+            self.bytes_served[src] = self.bytes_served.get(src, 0) + n
             self._sending.append(self.comm.Isend([buf[off: off + n], MPI.BYTE], dest=src, tag=tag))
         self._sending = [r for r in self._sending if not r.Test()]
 
