@@ -2,12 +2,17 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
+import pickle
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from pivotrl_hpc.plan import SnapshotError, WorkloadSnapshot, synthetic_snapshot
+from pivotrl_hpc.plan.snapshot import ReplicaState, SeqState
 
 FIG8 = Path(__file__).resolve().parents[1] / "examples" / "figure8_snapshot.json"
 
@@ -107,3 +112,21 @@ def test_malformed_input(raw):
     def active_down(d):
         d["training"].update(up=False, active=True)
     assert "training is active but not shifted up" in _bad(raw, active_down)
+
+
+_seqs = st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 10**6)), max_size=40)
+
+
+@given(_seqs, _seqs)
+def test_cached_n_tok_is_the_plain_sum_and_never_stale(a, b):
+    """ReplicaState.n_tok is cached (issue 39): it must equal the plain sum of sequence
+    lengths, a replaced replica must recompute it, and reading it must not change equality,
+    hashing or pickling."""
+    seqs = tuple(SeqState(i, p, g) for i, (p, g) in enumerate(a))
+    r = ReplicaState("r0", "rollout", (0,), 10**9, seqs)
+    fresh = ReplicaState("r0", "rollout", (0,), 10**9, seqs)
+    assert r.n_tok == sum(s.prompt_tokens + s.generated_tokens for s in seqs)
+    assert r == fresh and hash(r) == hash(fresh)
+    other = tuple(SeqState(i, p, g) for i, (p, g) in enumerate(b))
+    assert dataclasses.replace(r, sequences=other).n_tok == sum(p + g for p, g in b)
+    assert pickle.loads(pickle.dumps(r)).n_tok == r.n_tok

@@ -93,28 +93,41 @@ def paper_loop(model: ReplicaThroughput, index: DispatchIndex, shortest: Shortes
     operations counted."""
     limit = n_seq
     tp, n, t = model.throughput, index.n, index.t
+    update, place, best = index.update, index.place, index.best
+    peek, take, put = shortest.peek, shortest.take, shortest.put
+    pop, push = heapq.heappop, heapq.heappush
     thr = [tp(a, b) for a, b in zip(n, t)]
     heap = [(-x, pos) for pos, x in enumerate(thr)]
     heapq.heapify(heap)
     moved: Moved = []
     ops = len(heap)
+    # `_try` and `_apply` inlined (same operations, same order, so the same floats): this
+    # loop runs once per simulated shift-up candidate, hundreds of moves each (issue 39).
     while heap and len(moved) < limit:
-        neg, pos = heapq.heappop(heap)
+        neg, pos = pop(heap)
         ops += 1
         if -neg != thr[pos]:
             continue  # stale key: the replica's throughput changed since the push
-        item = shortest.peek(pos)
+        item = peek(pos)
         if item is None:
             break  # the max-throughput replica is empty: nothing left to move
         # Try the move first and keep it only if aggregate throughput rises, so the
         # procedure never ends below where it started (Algorithm 4, lines 11-15).
-        gain, dst, src_thr = _try(index, tp, thr, pos, item[0])
-        if gain <= 0.0:
-            index.update(pos, n[pos] + 1, t[pos] + item[0])
+        length = item[0]
+        update(pos, n[pos] - 1, t[pos] - length)
+        dst = best(length)
+        src_thr = tp(n[pos], t[pos])
+        if dst is None or dst == pos or (tp(n[dst] + 1, t[dst] + length) - thr[dst]
+                                         + src_thr - thr[pos]) <= 0.0:
+            update(pos, n[pos] + 1, t[pos] + length)
             break
-        _apply(index, tp, thr, shortest, pos, dst, src_thr, moved)
-        heapq.heappush(heap, (-thr[pos], pos))
-        heapq.heappush(heap, (-thr[dst], dst))
+        put(dst, take(pos))
+        place(dst, length)
+        thr[pos] = src_thr
+        thr[dst] = x = tp(n[dst], t[dst])
+        moved.append((item, pos, dst))
+        push(heap, (-src_thr, pos))
+        push(heap, (-x, dst))
         ops += 2
     return moved, ops
 
