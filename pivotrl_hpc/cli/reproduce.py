@@ -36,6 +36,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma separated paper groups (default: all four)")
     p.add_argument("--iterations", type=int, default=1,
                    help="calibrate: Newton steps after the Jacobian's run sets")
+    p.add_argument("--start", type=_scales, default={},
+                   help="calibrate: the factors to start from, e.g. genrm_scale=1.4,"
+                        "policy_scale=0.6 (default: the datasheet's, every factor 1)")
     p.add_argument("--measured-jacobian", action="store_true",
                    help="calibrate: measure the Jacobian (3 more run sets a group) instead "
                         "of starting from the prior one")
@@ -209,7 +212,7 @@ def calibrate(args: argparse.Namespace) -> int:
                   f"({time.monotonic() - t0:.0f} s)", file=sys.stderr)
             return got
 
-        start, history, error = {k: 1.0 for k in cal.FREE}, [], None
+        start, history, error = {k: 1.0 for k in cal.FREE} | args.start, [], None
         try:
             result = cal.fit(evaluate, {p: paper.FIG9[g][p] for p in cal.BASELINES}, start,
                              args.iterations, None if args.measured_jacobian else cal.PRIOR,
@@ -231,6 +234,22 @@ def calibrate(args: argparse.Namespace) -> int:
                   "wall_s": settings["wall_s"], "file": str(path), "error": error}
     print(json.dumps(out, indent=1))
     return 0 if all(o["within_15_percent"] and not o["error"] for o in out.values()) else 1
+
+
+def _scales(text: str) -> dict[str, float]:
+    """`genrm_scale=1.4,policy_scale=0.6` -> their values (argparse type: a clear error)."""
+    from pivotrl_hpc.reproduce.calibrate import FREE
+
+    out = {}
+    for item in filter(None, text.split(",")):
+        name, _, value = item.partition("=")
+        try:
+            out[name] = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{item!r} is not name=number") from None
+        if name not in FREE or not out[name] > 0:
+            raise argparse.ArgumentTypeError(f"{item!r}: a factor of {', '.join(FREE)}, > 0")
+    return out
 
 
 def _fmt(d: dict, f: str = ".3g") -> str:

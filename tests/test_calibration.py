@@ -1,0 +1,212 @@
+"""The paper groups' calibration (`pivotrl reproduce calibrate`, docs/calibration.md): the
+fit's residuals and steps, the calibration file it writes, a config's `include` of it, and
+`--hardware datasheet` leaving it out. No simulator runs: the fit is driven by a known
+synthetic throughput law, the files are small."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pivotrl_hpc.config import ConfigError, load_config
+from pivotrl_hpc.config.schema import CalibrationConfig
+from pivotrl_hpc.reproduce import calibrate as cal
+from pivotrl_hpc.reproduce import paper
+from pivotrl_hpc.reproduce.runs import Run, load_run
+from pivotrl_hpc.sched.model import ThroughputModel
+from pivotrl_hpc.sim.profile import calibrated
+from pivotrl_hpc.sim.run import SimConstants
+
+ROOT = Path(__file__).resolve().parents[1]
+G7 = "qwen2.5-7b_qwen3-30b-a3b"
+TARGET = {"colocated": 11545.0, "disaggregated": 11711.0, "rr_colocated": 14189.0}
+
+
+def law(true: dict[str, float]):
+    """Throughput of each baseline as a time-share law of the three scales, exactly the
+    paper's Figure 9 at `true`: ours = paper * sum(w * true) / sum(w * x)."""
+    weights = {"colocated": (0.3, 0.6, 0.1), "disaggregated": (0.05, 0.9, 0.05),
+               "rr_colocated": (0.6, 0.35, 0.05)}
+    calls: list[dict] = []
+
+    def evaluate(x: dict[str, float]) -> dict[str, float]:
+        calls.append(dict(x))
+        return {p: TARGET[p] * sum(w * true[k] for w, k in zip(ws, cal.FREE))
+                / sum(w * x[k] for w, k in zip(ws, cal.FREE)) for p, ws in weights.items()}
+    return evaluate, calls
+
+
+def test_residuals_are_ours_over_the_papers_minus_one():
+    res = cal.residuals({"colocated": 11545 * 1.1, "disaggregated": 11711 * 0.8,
+                         "rr_colocated": 14189.0}, TARGET)
+    assert res == pytest.approx({"colocated": 0.1, "disaggregated": -0.2, "rr_colocated": 0.0})
+    assert not cal.within(res) and cal.within({"colocated": 0.15, "disaggregated": -0.149,
+                                               "rr_colocated": 0.0})
+
+
+@pytest.mark.parametrize("jacobian", [None, cal.PRIOR], ids=["measured", "prior"])
+def test_the_fit_reaches_the_papers_baselines_from_the_datasheet(jacobian):
+    true = {"policy_scale": 1.6, "genrm_scale": 3.0, "train_scale": 1.2}
+    evaluate, calls = law(true)
+    start = {k: 1.0 for k in cal.FREE}
+    fit = cal.fit(evaluate, TARGET, start, steps=4, jacobian=jacobian)
+    assert fit.ok and max(abs(v) for v in fit.residuals.values()) <= cal.TOLERANCE
+    # cheap: the datasheet point, the Jacobian's run sets (if measured), a few steps
+    assert len(calls) <= 1 + (3 if jacobian is None else 0) + 4
+    # every evaluated point is in the history with its own residuals, the best is returned
+    assert [h["params"] for h in fit.history] == calls
+    for h in fit.history:
+        assert h["residuals"] == pytest.approx(cal.residuals(evaluate(h["params"]), TARGET))
+    assert fit.ours == pytest.approx(evaluate(fit.params))
+    assert max(map(abs, fit.residuals.values())) == min(
+        max(map(abs, h["residuals"].values())) for h in fit.history)
+    # what is written is what was evaluated: 4 significant digits
+    assert all(v == float(f"{v:.4g}") for v in fit.params.values())
+
+
+def test_the_fit_stops_at_once_when_the_start_is_within_tolerance():
+    evaluate, calls = law({k: 1.0 for k in cal.FREE})
+    fit = cal.fit(evaluate, TARGET, {k: 1.0 for k in cal.FREE}, steps=3)
+    assert len(calls) == 1 and fit.residuals == pytest.approx({p: 0.0 for p in TARGET})
+
+
+def test_an_interrupted_fit_keeps_what_it_measured():
+    """A simulator failure mid-fit: the caller's history holds the points evaluated before
+    it, and the best of them (or the unmeasured start) is what gets written."""
+    evaluate, _ = law({"policy_scale": 1.6, "genrm_scale": 3.0, "train_scale": 1.2})
+    history: list[dict] = []
+
+    def failing(x):
+        if len(history) == 2:
+            raise RuntimeError("the simulator stopped")
+        return evaluate(x)
+    with pytest.raises(RuntimeError):
+        cal.fit(failing, TARGET, {k: 1.0 for k in cal.FREE}, steps=3, history=history)
+    got = cal.best(history, {})
+    assert len(history) == 2 and got.params in [h["params"] for h in history]
+    empty = cal.best([], {k: 1.23456 for k in cal.FREE})
+    assert empty.params == {k: 1.235 for k in cal.FREE} and not empty.ok
+
+
+def test_a_step_is_bounded():
+    """A residual a scale cannot reach (a target 1000x off) moves each scale by at most
+    MAX_LOG_STEP a step and never outside BOUNDS."""
+    evaluate, _ = law({"policy_scale": 1e-4, "genrm_scale": 1e-4, "train_scale": 1e-4})
+    fit = cal.fit(evaluate, TARGET, {k: 1.0 for k in cal.FREE}, steps=3, jacobian=cal.PRIOR)
+    for prev, cur in zip(fit.history, fit.history[1:]):
+        for k in cal.FREE:
+            assert abs(math.log(cur["params"][k] / prev["params"][k])) \
+                <= cal.MAX_LOG_STEP + 1e-3
+            assert cal.BOUNDS[0] <= cur["params"][k] <= cal.BOUNDS[1]
+    assert not fit.ok
+
+
+def _written(tmp_path: Path, group: str = G7) -> tuple[Path, dict]:
+    evaluate, _ = law({"policy_scale": 1.5, "genrm_scale": 2.5, "train_scale": 1.0})
+    fit = cal.fit(evaluate, TARGET, {k: 1.0 for k in cal.FREE}, steps=4, jacobian=cal.PRIOR)
+    doc = cal.document(group, cal.FIXED[group], fit, {"steps": 2})
+    (tmp_path / "calibration").mkdir()
+    path = tmp_path / "calibration" / "c.yaml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path, doc
+
+
+def test_the_calibration_file_records_fit_residuals_and_sources(tmp_path):
+    path, doc = _written(tmp_path)
+    rec = yaml.safe_load(path.read_text())["record"]
+    assert rec["target_paper_fig9"] == {p: paper.FIG9[G7][p] for p in cal.BASELINES}
+    assert rec["residuals"] == pytest.approx({p: rec["ours"][p] / rec["target_paper_fig9"][p]
+                                              - 1 for p in cal.BASELINES}, abs=1e-3)
+    assert rec["within_15_percent"] is True and rec["fitted"] == list(cal.FREE)
+    assert set(rec["sources"]) >= {"hardware", "shift seconds", "targets", "workload",
+                                   "rl.batch_size"}
+    assert doc["calibration"]["shift_up_s_reward"] == cal.FIXED[G7].shifts["reward"][0]
+
+
+def test_a_config_includes_its_calibration_over_its_own_keys(tmp_path):
+    path, doc = _written(tmp_path)
+    base = ROOT / "configs" / "tiny-cpu.yaml"
+    text = base.read_text() + "\ninclude: calibration/c.yaml\n"
+    (tmp_path / "run.yaml").write_text(text)
+    cfg = load_config(tmp_path / "run.yaml", check_files=False)
+    for k, v in doc["calibration"].items():
+        assert getattr(cfg.calibration, k) == v, k
+    assert cfg.workload.genrm_median == doc["workload"]["genrm_median"]
+    assert cfg.rl.batch_size == doc["rl"]["batch_size"]
+    assert cfg.paradigm.shift_seconds_reward == doc["paradigm"]["shift_seconds_reward"]
+    # the command line still wins over the include
+    cfg = load_config(tmp_path / "run.yaml", ["workload.genrm_median=7"], check_files=False)
+    assert cfg.workload.genrm_median == 7
+    # without includes (--hardware datasheet): the file's own keys, defaults elsewhere
+    own = load_config(base, check_files=False)
+    cfg = load_config(tmp_path / "run.yaml", check_files=False, includes=False)
+    assert cfg.calibration == CalibrationConfig()
+    assert cfg.workload == own.workload and cfg.rl.batch_size == own.rl.batch_size
+
+
+def test_a_missing_or_malformed_include_is_refused_by_name(tmp_path):
+    (tmp_path / "a.yaml").write_text("include: calibration/absent.yaml\n")
+    with pytest.raises(ConfigError, match=r"includes .*absent.yaml, which does not exist.*"
+                                          r"pivotrl reproduce calibrate"):
+        load_config(tmp_path / "a.yaml", check_files=False)
+    (tmp_path / "b.yaml").write_text("include: [3]\n")
+    with pytest.raises(ConfigError, match="include"):
+        load_config(tmp_path / "b.yaml", check_files=False)
+    (tmp_path / "c.yaml").write_text("calibration: {genrm_scale: 1.0}\ninclude: c.yaml\n")
+    with pytest.raises(ConfigError, match="one level only"):
+        load_config(tmp_path / "c.yaml", check_files=False)
+    (tmp_path / "d.yaml").write_text("calibration: {genrm_scale: 0}\n")
+    with pytest.raises(ConfigError, match=r"calibration.genrm_scale.*> 0"):
+        load_config(tmp_path / "d.yaml", check_files=False)
+
+
+def test_calibrated_scales_each_model_training_and_names_shifts():
+    base = SimConstants({"rollout": 2.0, "reward": 3.0, "training": 4.0},
+                        {"rollout": 0.5, "reward": 0.6, "training": 0.7}, 0.0,
+                        {"policy": ThroughputModel(1e-8, 1e-3, 1e-4, 3e-3),
+                         "genrm": ThroughputModel(2e-8, 2e-3, 2e-4, 4e-3)}, "profile H20",
+                        train_s_per_token=1e-4,
+                        prefill_s_per_token={"policy": 1e-5, "genrm": 2e-5})
+    c = CalibrationConfig(policy_scale=2.0, genrm_scale=5.0, train_scale=1.5,
+                          shift_up_s_reward=3.5, shift_down_s_training=2.5)
+    out = calibrated(base, c)
+    assert vars(out.throughput["policy"]) == pytest.approx({"A": 2e-8, "B": 2e-3, "C": 2e-4,
+                                                            "D": 6e-3})
+    assert vars(out.throughput["genrm"]) == pytest.approx({"A": 1e-7, "B": 1e-2, "C": 1e-3,
+                                                           "D": 2e-2})
+    assert out.prefill_s_per_token == pytest.approx({"policy": 2e-5, "genrm": 1e-4})
+    assert out.train_s_per_token == pytest.approx(1.5e-4)
+    assert out.shift_up_s == {"rollout": 2.0, "reward": 3.5, "training": 4.0}
+    assert out.shift_down_s == {"rollout": 0.5, "reward": 0.6, "training": 2.5}
+    assert calibrated(base, CalibrationConfig()) == base
+
+
+@pytest.mark.parametrize("group", paper.GROUPS)
+def test_paper_configs_load_with_their_calibration_and_datasheet_ignores_it(group):
+    config = ROOT / "configs" / f"{group}.yaml"
+    cal_file = ROOT / "configs" / "calibration" / f"{group}.yaml"
+    written = yaml.safe_load(cal_file.read_text())
+    cfg = load_run(Run(str(config), "colocated"))
+    for k, v in written["calibration"].items():
+        assert getattr(cfg.calibration, k) == v, (group, k)
+    assert cfg.workload.genrm_median == written["workload"]["genrm_median"]
+    assert cfg.rl.batch_size == written["rl"]["batch_size"]
+    sheet = load_run(Run(str(config), "colocated", hardware="datasheet"))
+    assert sheet.calibration == CalibrationConfig()
+    assert sheet.workload.genrm_median != written["workload"]["genrm_median"]
+    assert sheet.workload.judge_prompt_ratio == 0.0
+    with pytest.raises(ValueError, match="hardware"):
+        load_run(Run(str(config), "colocated", hardware="h100"))
+
+
+def test_calibrate_refuses_an_unknown_group_before_any_run(tmp_path):
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-m", "pivotrl_hpc.cli.main", "reproduce", "calibrate",
+                        "--groups", "qwen2.5-7b_qwen3-30b-a3b,gpt-9", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "unknown group(s) gpt-9" in p.stderr
+    assert not (tmp_path / "runs").exists()
