@@ -201,6 +201,27 @@ def test_paper_configs_load_with_their_calibration_and_datasheet_ignores_it(grou
         load_run(Run(str(config), "colocated", hardware="h100"))
 
 
+def test_simulate_runs_a_paper_config_with_the_constants_reproduce_runs(tmp_path):
+    """`pivotrl simulate` on a paper config takes the calibrated constants, as `reproduce`
+    does: its lengths come from the include, so its costs must too."""
+    import argparse
+
+    from pivotrl_hpc.cli.simulate import _constants
+    from pivotrl_hpc.sim.profile import H20
+    from pivotrl_hpc.sim.standin import stand_in
+
+    cfg, _ = stand_in(load_config(ROOT / "configs" / f"{G7}.yaml", check_files=False),
+                      tmp_path)
+    assert cfg.calibration != CalibrationConfig()
+    args = argparse.Namespace(from_trace=None, hardware="h20", train_seconds=None)
+    got = _constants(args, cfg)
+    assert got == calibrated(SimConstants.from_profile(cfg, H20), cfg.calibration)
+    sheet = SimConstants.from_profile(cfg, H20)
+    assert got.throughput["genrm"].C == pytest.approx(
+        sheet.throughput["genrm"].C * cfg.calibration.genrm_scale)
+    assert got.train_s_per_token != sheet.train_s_per_token
+
+
 def test_calibrate_refuses_an_unknown_group_before_any_run(tmp_path):
     import subprocess
     import sys

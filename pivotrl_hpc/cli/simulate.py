@@ -39,8 +39,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds of one training step (with --hardware config)")
     p.add_argument("--hardware", default=None, choices=("h20", "config"),
                    help="derive the constants from this GPU's datasheet and the models' "
-                        "dimensions (sim/profile.py; default for device_kind gpu: h20), or "
-                        "take them from the config (default for cpu)")
+                        "dimensions (sim/profile.py; default for device_kind gpu: h20), "
+                        "scaled by the config's calibration section when it has one (the "
+                        "paper configs include configs/calibration/<group>.yaml), or take "
+                        "them from the config (default for cpu)")
     p.add_argument("--out", default=None, help="write each run's trace here")
     p.add_argument("--no-search", action="store_true",
                    help="the config's training width (disaggregated: the middle "
@@ -76,7 +78,7 @@ def _one(args, paradigm: str, extra: list[str], tag: str) -> dict:
 
 
 def _constants(args, cfg):
-    from pivotrl_hpc.sim.profile import HARDWARE
+    from pivotrl_hpc.sim.profile import HARDWARE, calibrated
     from pivotrl_hpc.sim.run import SimConstants
 
     if args.from_trace:
@@ -84,7 +86,9 @@ def _constants(args, cfg):
     hardware = args.hardware or ("h20" if cfg.cluster.device_kind == "gpu" else "config")
     if hardware == "config":
         return SimConstants.from_config(cfg, args.train_seconds)
-    return SimConstants.from_profile(cfg, HARDWARE[hardware])
+    # the same constants `pivotrl reproduce` runs (reproduce/runs.py): a paper config's
+    # calibration scales the datasheet's (an empty calibration changes nothing)
+    return calibrated(SimConstants.from_profile(cfg, HARDWARE[hardware]), cfg.calibration)
 
 
 def paper_speedups(config: str) -> dict[str, float] | None:
