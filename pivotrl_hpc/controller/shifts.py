@@ -99,8 +99,10 @@ class Executor:
                 self.training.up = self.training.shifting = False
             else:   # the engine let every sequence leaving it go (the record kept them)
                 self.flows[a.role].released(a.replica)
-            for d in a.devices:
-                self._last_role[d], self.device_role[d] = self.device_role[d], "idle"
+            for d in a.devices:   # a device already idle keeps the role it held last
+                if self.device_role[d] != "idle":   # (as trace.recompute.shift_kinds counts)
+                    self._last_role[d] = self.device_role[d]
+                self.device_role[d] = "idle"
             self._record(plan_id, "down", a, replies, self.now() - t0)
 
         self.devices.send(a.devices, ShiftDown(), done)
