@@ -230,7 +230,7 @@ class Lab:
             nodes, train = max(1, gpus // 8), max(r.train_tensor_parallel, gpus // 4)
             # the Write comes from the TP group of DP rank 0: the nodes it spans
             writers = -(-r.train_tensor_parallel // cfg.cluster.devices_per_node)
-            rep = _replication(ps.num_params() * itemsize(pol.dtype), nodes, writers, hw)
+            rep = pf.replication(ps.num_params() * itemsize(pol.dtype), nodes, writers, hw)
             rows.append({"gpus": gpus, "nodes": nodes,
                          "rollout": pf.inference_shift(ps, pol.dtype, pol.tensor_parallel, hw),
                          "reward": pf.inference_shift(gs, gen.dtype, gen.tensor_parallel, hw),
@@ -274,25 +274,6 @@ def allocation_shape(rows: list[list[float]], end: float | None = None) -> dict:
             / whole,
             "training_up": sum(s for s, r in zip(spans, rows) if r[3] > 0) / whole,
             "rollout_max": max(r[1] for r in rows), "reward_max": max(r[2] for r in rows)}
-
-
-def _replication(nbytes: int, nodes: int, writer_nodes: int, hw) -> dict:
-    """One GPS Write replicated to every node as the agents plan it (gps.plan.chain: every
-    receiver forwards to the next) and as they did before (the writers send every node its
-    copy), each run through plan.pipelined_seconds over the cluster's links: its seconds
-    and the bytes it moves."""
-    from pivotrl_hpc.gps.plan import LinkModel, assign, chain, pipelined_seconds, refine
-
-    links = LinkModel(local_bps=hw.pcie_bps, remote_bps=hw.ib_bps)
-    holders = {n: [(0, nbytes)] for n in range(min(writer_nodes, nodes))}
-    targets = {n: [(0, nbytes)] for n in range(nodes)}
-    plans = {"": chain(holders, targets, links).transfers,
-             "_star": assign(refine(holders, targets), links)}
-    out = {}
-    for suffix, plan in plans.items():
-        out[f"write_replication{suffix}_s"] = pipelined_seconds(plan, links)
-        out[f"write_replication{suffix}_bytes"] = sum(t.nbytes for t in plan)
-    return out
 
 
 def _per_step(runs: list[dict]) -> float:

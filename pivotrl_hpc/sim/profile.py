@@ -107,17 +107,23 @@ def training_shift(shape: ModelShape, devices: int, tp: int, hw: Hardware
     return hw.train_wake_s + 2.0 * n / tp / hw.pcie_bps + states, hw.train_sleep_s + states
 
 
-def replication(nbytes: int, nodes: int, writer_nodes: int, hw: Hardware
-                ) -> tuple[float, int]:
-    """One GPS Write replicated to every node, planned as the agents plan it (gps.plan):
-    the writers' nodes hold the version, every node needs all of it (replication-first, so
-    every later Read is node-local). The plan's makespan over the IB links, and its bytes."""
-    from pivotrl_hpc.gps.plan import LinkModel, assign, estimated_seconds, refine
+def replication(nbytes: int, nodes: int, writer_nodes: int, hw: Hardware) -> dict:
+    """One GPS Write replicated to every node as the agents plan it (gps.plan.chain: every
+    receiver forwards to the next) and as they did before (`_star`: the writers send every
+    node its copy), each run through plan.pipelined_seconds over the cluster's links: its
+    seconds and the bytes it moves."""
+    from pivotrl_hpc.gps.plan import LinkModel, assign, chain, pipelined_seconds, refine
 
     links = LinkModel(local_bps=hw.pcie_bps, remote_bps=hw.ib_bps)
     holders = {n: [(0, nbytes)] for n in range(min(writer_nodes, nodes))}
-    plan = assign(refine(holders, {n: [(0, nbytes)] for n in range(nodes)}), links)
-    return estimated_seconds(plan, links), sum(t.nbytes for t in plan)
+    targets = {n: [(0, nbytes)] for n in range(nodes)}
+    plans = {"": chain(holders, targets, links).transfers,
+             "_star": assign(refine(holders, targets), links)}
+    out = {}
+    for suffix, plan in plans.items():
+        out[f"write_replication{suffix}_s"] = pipelined_seconds(plan, links)
+        out[f"write_replication{suffix}_bytes"] = sum(t.nbytes for t in plan)
+    return out
 
 
 def calibrated(constants, cal):
