@@ -147,11 +147,14 @@ def test_tokens_at_is_splitmix64_per_position():
                                                    for p in range(start, start + n)]
 
 
+@pytest.mark.parametrize("flag", ["DRAW_AHEAD", "FOLLOWERS_COUNT_ONLY"])
 def test_tokens_drawn_where_a_sequence_lands_give_the_per_step_run(tiny_models, tmp_path,
-                                                                  monkeypatch):
+                                                                  monkeypatch, flag):
     """The same job with each sequence's tokens drawn at once where it lands and drawn per
-    Step (modeled.DRAW_AHEAD off, the old way): the same summary and the same trace rows,
-    float for float (migrations and preemptions included: they land it again)."""
+    Step (modeled.DRAW_AHEAD off, the old way), and with the GenRM's TP=2 followers only
+    counting or decoding every token as their leader (FOLLOWERS_COUNT_ONLY off): the same
+    summary and the same trace rows, float for float (migrations and preemptions included:
+    they land it again)."""
     from pivotrl_hpc.config import load_config
     from pivotrl_hpc.sim import modeled
     from pivotrl_hpc.sim.run import SimConstants, simulate
@@ -162,7 +165,7 @@ def test_tokens_drawn_where_a_sequence_lands_give_the_per_step_run(tiny_models, 
                        "workload.rollout_median=60", "workload.genrm_median=30"])
     runs = {}
     for ahead in (True, False):
-        monkeypatch.setattr(modeled, "DRAW_AHEAD", ahead)
+        monkeypatch.setattr(modeled, flag, ahead)
         path = tmp_path / f"ahead-{ahead}.h5"
         summary = simulate(cfg, SimConstants.from_config(cfg), path)
         summary.pop("peak_rss_mb")

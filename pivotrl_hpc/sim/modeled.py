@@ -30,6 +30,8 @@ _GOLDEN, _MIX = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9
 # Steps: often enough for flow.STALL_STEPS, not every Step (hundreds wait at long judgements)
 HELD_EVERY = STALL_STEPS // 4
 DRAW_AHEAD = True   # a sequence's tokens drawn where it lands (False: per Step, the old way)
+# A TP follower keeps only what times its Steps (False: it decodes the tokens too, the old way)
+FOLLOWERS_COUNT_ONLY = True
 
 
 @lru_cache(maxsize=1 << 16)
@@ -68,6 +70,10 @@ class _Seq:
     # DRAW_AHEAD off: drawn per Step, as before (the identity test runs both)
     ahead: list[int] = field(default_factory=list)
     start: int = 0
+    length: int = 0   # prompt + generated tokens: what the iteration latency reads
+
+    def __post_init__(self) -> None:
+        self.length = len(self.prompt) + len(self.generated)
 
     def next_tokens(self, sid: str, k: int, vocab: int) -> list[int]:
         if not self.ahead:
@@ -97,6 +103,10 @@ class ModeledWorker:
     vocab: int = 64
     role: RoleKind = RoleKind.IDLE
     version: int | None = None
+    # False on a TP follower of a generation replica (ShiftUp names another device as the
+    # replica's leader): as vLLM's non-driver workers it returns no outputs, so it only
+    # counts what times its Steps (sequences, tokens, finishes); the leader answers for all
+    leads: bool = True
     fail_on: type | None = None        # inject a failure on this command type (tests)
     slowdown: float = 1.0              # this device's step latency / the model's
     # True: a sequence's finish is reported by the Step after the one of its last token, and
@@ -146,6 +156,8 @@ class ModeledWorker:
     def _run(self, cmd: Command):
         if isinstance(cmd, ShiftUp):
             self.role = cmd.role
+            self.leads = cmd.replica == self.device or cmd.role == RoleKind.TRAINING \
+                or not FOLLOWERS_COUNT_ONLY
             if cmd.role == RoleKind.ROLLOUT or cmd.role == RoleKind.TRAINING:
                 self.version = self.store.version
             return {"version": self.version}, self.shift_up_s[cmd.role.value]
@@ -166,7 +178,7 @@ class ModeledWorker:
                                            list(s.generated_logprobs), s.max_new_tokens,
                                            s.sampling, tokens_at(
                                                s.seq_id, done, s.max_new_tokens, self.vocab)
-                                           if DRAW_AHEAD else [], done)
+                                           if DRAW_AHEAD and self.leads else [], done)
                 tokens += len(s.prompt_ids) + len(s.generated_ids)
             return len(cmd.seqs), self.slowdown * tokens * self.prefill_s_per_token.get(
                 self._model(), 0.0)
@@ -228,10 +240,12 @@ class ModeledWorker:
         live = [(sid, s) for sid, s in running if s.remaining > 0]
         k = 1 if self.late_finish or not live else min(most, min(s.remaining for _, s in live))
         n_seq = len(running)
-        n_tok = sum(len(s.prompt) + len(s.generated) for _, s in running)
+        n_tok = sum(s.length for _, s in running)
         # iteration i sees n_tok + i * (sequences still generating) tokens
         seconds = self.slowdown * sum(model.latency(n_seq, n_tok + i * len(live))
                                       for i in range(k)) if self.seqs else 0.0
+        if not self.leads:
+            return self._count(live, k, first, seconds)
         progress, finished = [], []
         if first and self.late_finish:  # reported by the Step after its last token
             finished += [self._finished(sid) for sid, s in list(self.seqs.items())
@@ -246,10 +260,24 @@ class ModeledWorker:
             s.generated += toks
             s.logprobs += [-1.0] * k
             s.remaining -= k
+            s.length += k
             progress.append(SeqProgress(sid, toks, [-1.0] * k))
             if s.remaining <= 0 and not self.late_finish:
                 finished.append(self._finished(sid))
         return StepOutput(progress, finished, seconds, k)
+
+    def _count(self, live: list, k: int, first: bool, seconds: float) -> StepOutput:
+        """A TP follower's iterations: the leader's sequence and token counts and finishes
+        (what times the next Step), no tokens and no outputs."""
+        if first and self.late_finish:
+            for sid in [sid for sid, s in self.seqs.items() if s.remaining <= 0]:
+                del self.seqs[sid]
+        for sid, s in live:
+            s.remaining -= k
+            s.length += k
+            if s.remaining <= 0 and not self.late_finish:
+                del self.seqs[sid]
+        return StepOutput([], [], seconds, k)
 
     def _model(self) -> str:
         return "policy" if self.role == RoleKind.ROLLOUT else "genrm"
@@ -263,7 +291,8 @@ class ModeledWorker:
         out = []
         for sid in ids:
             s = self.seqs.pop(sid)
-            if s.remaining <= 0:  # finished in the engine: not returned, never reported
+            # finished in the engine: not returned, never reported; a follower has no tokens
+            if s.remaining <= 0 or not self.leads:
                 continue
             out.append(AbortedSequence(sid, s.prompt, s.generated, s.logprobs, s.remaining,
                                        s.sampling))
