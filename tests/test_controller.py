@@ -324,3 +324,30 @@ def test_a_job_book_drops_what_it_trained():
     summary = ctl.run()
     assert summary["steps"] == 4 and ctl.book.samples == {}
     assert ctl.book.next_sid == 4 * 4 * 4 + 2 * 4   # 4 steps of 16, 2 evaluations of 4
+
+
+def test_kv_overflow_preempts_the_newest_sequence_on_the_replica_not_the_grower():
+    """The controller's KV accounting preempts as vLLM does: the newest sequence leaves (a
+    `preempt` row, its epoch bumped, an Abort due on the engine) while the older one that
+    overflowed keeps its tokens and its place; the newest one's output in the same reply is
+    stale and ignored (it resumes from its record)."""
+    from pivotrl_hpc.controller.flow import RoleFlow, SeqRecord
+    from pivotrl_hpc.engines.vllm.types import Sampling, SeqProgress, StepOutput
+    from pivotrl_hpc.sched import Replica, Scheduler, ThroughputModel
+
+    events = []
+    flow = RoleFlow("reward", Scheduler(ThroughputModel(0.0, 0.01, 0.0, 0.0)),
+                    lambda rec, now: None, lambda e, rec, rep, *a: events.append((e, rec.sid)))
+    flow.sched.add_replica(Replica("r0", 25))   # 20 placed: 1 cannot grow by 8
+    for sid in (1, 2):
+        flow.submit(SeqRecord(sid, "reward", (7,) * 10, 50, Sampling()))
+    flow.place_ids("r0", [m.seq_id for m in flow.sched.dispatch()])
+    epochs = flow.placements("r0")
+    out = StepOutput([SeqProgress("1", [5] * 8, [-1.0] * 8), SeqProgress("2", [5] * 8, [-1.0] * 8)],
+                     [], 0.1, 8)
+    assert flow.on_step("r0", [out], 1.0, epochs) == 8       # 2's tokens came too late
+    assert flow.records[1].generated == [5] * 8 and flow.records[1].replica == "r0"
+    assert flow.records[2].generated == [] and flow.records[2].replica is None
+    assert flow.records[2].epoch == epochs[2] + 1
+    assert flow.preempted == [("r0", 2)] and events[-1] == ("preempt", 2)
+    assert [q.seq_id for q in flow.sched.queue] == [2]

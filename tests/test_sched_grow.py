@@ -1,8 +1,10 @@
 """A running sequence that grows past its replica's KV capacity (the live monitor's update).
 
 `Replica.grow` is atomic: past the capacity it raises `KVOverflow` and the replica is exactly
-as before. `Scheduler.grow` then preempts the sequence, as vLLM does, to the waiting queue
-with every token it has, and a later Dispatch resumes it. Nothing is lost or duplicated.
+as before. The Scheduler then preempts as vLLM does: the replica's lowest-priority running
+sequences (the newest first) go to the waiting queue with every token they have until the
+growth fits, the growing one itself if it is the lowest, and a later Dispatch resumes them.
+Nothing is lost or duplicated.
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pivotrl_hpc.sched import (AbortSpec, KVOverflow, Replica, Scheduler, SchedulerError,
-                               Sequence, ThroughputModel)
+                               Sequence, ThroughputModel, WaitingQueue)
 
 M = ThroughputModel(A=5e-8, B=0.012, C=2e-4, D=0.008)
 
@@ -57,19 +59,44 @@ def test_scheduler_grow_in_capacity_keeps_running():
     assert s.replicas["a"].seqs[2] == grown and s.replicas["a"].n_tok == 1_000 and not s.queue
 
 
-def test_scheduler_grow_past_capacity_preempts_with_all_tokens():
+def test_scheduler_grow_past_capacity_preempts_the_newest_not_the_grower():
+    """vLLM preempts its lowest-priority running request (the newest), not whichever one
+    overflowed: the older sequence grows, the newer one waits with its tokens."""
     s = _sched()
-    assert s.grow("a", 1, 400) is None
+    assert s.grow_preempting("a", 1, 400) == [2]
     a = s.replicas["a"]
-    assert set(a.seqs) == {2} and a.n_tok == 500 == sum(q.length for q in a.seqs.values())
-    assert a.shortest().seq_id == 2
-    assert list(s.queue) == [Sequence(1, 300, 450)]   # prompt + 50 + the 400 new tokens
+    assert a.seqs == {1: Sequence(1, 300, 450)} and a.n_tok == 750
+    assert list(s.queue) == [Sequence(2, 400, 100)]   # as it stood: it generated nothing new
     assert s.n_sequences() == 2
-    # a later Dispatch resumes it (750 tokens) where it fits: b, not a (500 left)
-    moves = s.dispatch()
-    assert [(m.seq_id, m.dst) for m in moves] == [(1, "b")]
-    assert s.replicas["b"].seqs[1] == Sequence(1, 300, 450) and s.replicas["b"].n_tok == 750
+    # a later Dispatch resumes it where it fits: b, not a (250 left)
+    assert [(m.seq_id, m.dst) for m in s.dispatch()] == [(2, "b")]
     assert not s.queue
+
+
+def test_scheduler_grow_of_the_newest_preempts_itself_with_all_tokens():
+    s = _sched()
+    assert s.grow("a", 2, 400) is None
+    a = s.replicas["a"]
+    assert set(a.seqs) == {1} and a.n_tok == 350 == sum(q.length for q in a.seqs.values())
+    assert a.shortest().seq_id == 1
+    assert list(s.queue) == [Sequence(2, 400, 500)]   # prompt + 100 + the 400 new tokens
+    moves = s.dispatch()
+    assert [(m.seq_id, m.dst) for m in moves] == [(2, "b")]
+    assert s.replicas["b"].seqs[2] == Sequence(2, 400, 500) and not s.queue
+
+
+def test_scheduler_grow_preempts_lowest_priority_first_until_it_fits():
+    """Victims in the waiting queue's order, from its end (a custom key included), as many
+    as the growth needs and no more."""
+    seqs = [Sequence(i, 100, 0) for i in (1, 2, 3, 4)]
+    s = Scheduler(M, [Replica("a", 400, seqs)])
+    assert s.grow_preempting("a", 1, 150) == [4, 3]          # 100 free each
+    assert set(s.replicas["a"].seqs) == {1, 2} and s.replicas["a"].n_tok == 350
+    assert [q.seq_id for q in s.queue] == [3, 4]
+    by_id_desc = Scheduler(M, [Replica("a", 400, seqs)],
+                           queue=WaitingQueue(key=lambda q: -q.seq_id))
+    assert by_id_desc.grow_preempting("a", 4, 150) == [1, 2]  # 1 ranks last under this key
+    assert set(by_id_desc.replicas["a"].seqs) == {3, 4}
 
 
 def test_scheduler_grow_preempted_waits_until_room():

@@ -156,8 +156,13 @@ class RoleFlow:
         the new tokens counted."""
         new, advanced = 0, set()
         for out in outputs:
-            done = {f.seq_id for f in out.finished}
-            for p in out.progress:
+            done = {f.seq_id: f for f in out.finished}
+            # the sequences the engine finished first: they leave the replica before the
+            # others grow, so a KV preemption (grow_preempting) never takes one of them (as
+            # vLLM frees a finished request's blocks before its next iteration)
+            ordered = sorted(out.progress, key=lambda p: p.seq_id not in done) if done \
+                else out.progress
+            for p in ordered:
                 sid = int(p.seq_id)
                 if not p.token_ids:   # held, waiting for a slot (vLLM's max_num_seqs)
                     advanced.add(sid)
@@ -168,7 +173,9 @@ class RoleFlow:
                     new += self._progress(replica, sid, p.token_ids, p.logprobs,
                                           p.seq_id in done or complete)
                     advanced.add(sid)
-                    if complete and p.seq_id not in done:
+                    if p.seq_id in done:
+                        self._finish(replica, sid, list(done[p.seq_id].token_ids), now)
+                    elif complete:
                         self._finish(replica, sid, list(rec.generated), now)
             for f in out.finished:
                 if self._current(replica, int(f.seq_id), epochs):
@@ -202,12 +209,14 @@ class RoleFlow:
         v = self.versions.get(replica)
         if v is not None:
             rec.version = v if rec.version is None else min(rec.version, v)
-        if not finishing and self.sched.grow(replica, sid, len(tokens)) is None:
-            self._leaving(replica, rec)
-            rec.replica = None  # KV full: preempted back to the queue with its tokens
-            rec.epoch += 1
-            self.preempted.append((replica, sid))
-            self.on_event("preempt", rec, replica)
+        if not finishing:   # KV full: sequences preempted back to the queue with their tokens
+            for victim in self.sched.grow_preempting(replica, sid, len(tokens)):
+                vrec = self.records[victim]
+                self._leaving(replica, vrec)
+                vrec.replica = None
+                vrec.epoch += 1   # its output still in this reply is stale: it resumes
+                self.preempted.append((replica, victim))
+                self.on_event("preempt", vrec, replica)
         return len(tokens)
 
     def _finish(self, replica: str, sid: int, tokens: list[int], now: float) -> None:

@@ -109,20 +109,42 @@ class Scheduler:
         return twin
 
     def grow(self, replica_id: str, seq_id: int, new_tokens: int) -> Sequence | None:
-        """Record tokens a running sequence generated. Past the replica's KV capacity the
-        sequence is preempted, as vLLM does: it leaves the replica and waits in the queue
-        with every token it has (it resumes, never restarts). Returns the grown sequence if
-        it still runs, None if it was preempted. Nothing is lost either way."""
+        """`grow_preempting`, for a caller that needs only this sequence's fate: the grown
+        sequence if it still runs, None if it was preempted."""
+        if seq_id in self.grow_preempting(replica_id, seq_id, new_tokens):
+            return None
+        return self.replicas[replica_id].seqs[seq_id]
+
+    def grow_preempting(self, replica_id: str, seq_id: int, new_tokens: int) -> list[int]:
+        """Record tokens a running sequence generated; returns the sequences preempted.
+
+        Past the replica's KV capacity, as vLLM's scheduler does: the running sequence of
+        lowest priority (the waiting queue's order, the newest first) leaves the replica and
+        waits in the queue with every token it has (it resumes, never restarts), and so on
+        until the growth fits; the growing sequence itself, new tokens included, when it is
+        the lowest. Preempting whichever sequence happened to overflow instead throws back
+        the oldest, longest ones (they are first in the engine's order): a batch's tail was
+        preempted ~5 times on the 7B paper group, each time queued and prefilled again."""
         r = self._replica(replica_id)
         try:
-            return r.grow(seq_id, new_tokens)
+            r.grow(seq_id, new_tokens)
+            return []
         except KVOverflow as over:
-            r.remove(seq_id)
-            seq = over.seq
-            self.queue.push(Sequence(seq.seq_id, seq.prompt_tokens,
-                                     seq.generated_tokens + new_tokens))
             log.debug("%s", over)
-            return None
+        victims = sorted(r.seqs.values(), key=self.queue.priority, reverse=True)
+        preempted: list[int] = []
+        for victim in victims:
+            r.remove(victim.seq_id)
+            preempted.append(victim.seq_id)
+            if victim.seq_id == seq_id:
+                victim = Sequence(seq_id, victim.prompt_tokens,
+                                  victim.generated_tokens + new_tokens)
+            self.queue.push(victim)
+            if victim.seq_id == seq_id or new_tokens <= r.remaining:
+                break
+        if seq_id not in preempted:
+            r.grow(seq_id, new_tokens)
+        return preempted
 
     # -- Algorithm 2 ---------------------------------------------------------------------
     def abort(self, replica_id: str, which: AbortSpec = AbortSpec.ALL) -> list[Sequence]:

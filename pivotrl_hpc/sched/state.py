@@ -6,11 +6,12 @@ its KV-cache capacity in tokens, and finds its shortest sequence through a lazy 
 `WaitingQueue` is a priority queue, ascending sequence id by default (as veRL).
 
 KV overflow, for the controller: the live monitor reports generated tokens through
-`Scheduler.grow(replica, seq, new_tokens)`. Within capacity it returns the grown sequence.
-Past it, `Replica.grow` raises `KVOverflow` having changed nothing, and `Scheduler.grow`
-preempts the sequence as vLLM does: off the replica, into the waiting queue with every token
-(prompt + generated, the new ones included), and returns None. The controller then treats
-it as aborted on that engine; a later Dispatch resumes it where it fits. Nothing is lost.
+`Scheduler.grow_preempting(replica, seq, new_tokens)`. Past the capacity `Replica.grow`
+raises `KVOverflow` having changed nothing, and the Scheduler preempts as vLLM does: the
+replica's lowest-priority running sequences (the queue's order: the newest first) go back
+to the waiting queue with every token until the growth fits, the growing sequence itself
+if it is the lowest. The controller treats them as aborted on that engine; a later Dispatch
+resumes them where they fit. Nothing is lost.
 """
 from __future__ import annotations
 
@@ -144,8 +145,12 @@ class WaitingQueue:
     _heap: list[tuple[float, int, Sequence]] = field(default_factory=list)
     _ids: set[int] = field(default_factory=set)
 
+    def priority(self, seq: Sequence) -> tuple[float, int]:
+        """Its place in the queue: smaller comes first (KV preemption takes the largest)."""
+        return (self.key(seq) if self.key else seq.seq_id, seq.seq_id)
+
     def _entry(self, seq: Sequence) -> tuple[float, int, Sequence]:
-        return (self.key(seq) if self.key else seq.seq_id, seq.seq_id, seq)
+        return (*self.priority(seq), seq)
 
     def push(self, seq: Sequence) -> None:
         if seq.seq_id in self._ids:
