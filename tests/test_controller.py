@@ -351,3 +351,28 @@ def test_kv_overflow_preempts_the_newest_sequence_on_the_replica_not_the_grower(
     assert flow.records[2].epoch == epochs[2] + 1
     assert flow.preempted == [("r0", 2)] and events[-1] == ("preempt", 2)
     assert [q.seq_id for q in flow.sched.queue] == [2]
+
+
+def test_a_sequence_finished_in_the_same_reply_leaves_before_the_others_grow():
+    """A reply that finishes the newest sequence and grows an older one past the KV
+    capacity: the finished one leaves first (its KV freed, as vLLM frees a finished
+    request's blocks), so the growth fits and nothing is preempted; the finished one is
+    not thrown back to regenerate tokens it already has."""
+    from pivotrl_hpc.controller.flow import RoleFlow, SeqRecord
+    from pivotrl_hpc.engines.vllm.types import (FinishedSequence, Sampling, SeqProgress,
+                                                StepOutput)
+    from pivotrl_hpc.sched import Replica, Scheduler, ThroughputModel
+
+    finished = []
+    flow = RoleFlow("reward", Scheduler(ThroughputModel(0.0, 0.01, 0.0, 0.0)),
+                    lambda rec, now: finished.append(rec.sid), lambda *a: None)
+    flow.sched.add_replica(Replica("r0", 25))   # 20 placed: 1 cannot grow by 8 beside 2
+    flow.submit(SeqRecord(1, "reward", (7,) * 10, 50, Sampling()))
+    flow.submit(SeqRecord(2, "reward", (7,) * 10, 8, Sampling()))
+    flow.place_ids("r0", [m.seq_id for m in flow.sched.dispatch()])
+    out = StepOutput([SeqProgress("1", [5] * 8, [-1.0] * 8), SeqProgress("2", [6] * 8, [-1.0] * 8)],
+                     [FinishedSequence("2", [7] * 10, [6] * 8, [-1.0] * 8, "length")], 0.1, 8)
+    assert flow.on_step("r0", [out], 1.0, flow.placements("r0")) == 16
+    assert finished == [2] and flow.records[2].generated == [6] * 8
+    assert flow.preempted == [] and flow.records[1].replica == "r0"
+    assert flow.sched.replicas["r0"].n_tok == 18 and not flow.sched.queue
