@@ -171,3 +171,45 @@ def test_fig10_allocation_shape_by_hand():
     assert timed == {"reward_half_or_more": pytest.approx(50 / 60),
                      "training_up": pytest.approx(10 / 60), "rollout_max": 32,
                      "reward_max": 24}
+
+
+def test_the_fixed_planner_never_refits_and_keeps_the_configured_tau(tmp_path, monkeypatch):
+    """`beyond`'s paper planner: its throughput model is the profile written for it (the
+    hardware's own constants, or the uncalibrated datasheet's) and never refitted, its
+    tau_shift the configured shift seconds; the online run differs from it."""
+    import yaml
+
+    from pivotrl_hpc.controller import live
+    from pivotrl_hpc.reproduce.runs import planner_profile
+    from pivotrl_hpc.sim.run import SimConstants
+
+    built = []
+    real = live.build_controller
+
+    def spy(cfg, *a, **k):
+        ctl = real(cfg, *a, **k)
+        built.append((cfg, ctl))
+        return ctl
+    monkeypatch.setattr(live, "build_controller", spy)
+    monkeypatch.setattr("pivotrl_hpc.sim.run.build_controller", spy)
+    base = Run(str(ROOT / "configs" / f"{GROUP}.yaml"), "shiftable", 0,
+               (*SCALE.overrides, "rl.steps=1"))
+    fixed = replace(base, overrides=(*base.overrides, "paradigm.measured_tau=false"),
+                    planner_profile="exact")
+    online, paper_planner = run_one(base), run_one(fixed)
+    (cfg0, ctl0), (cfg1, ctl1) = built
+    assert not any(m.fixed for m in ctl0.models.values())
+    assert all(m.fixed and m.last is None for m in ctl1.models.values())   # never refitted
+    assert ctl1.policy.params.tau_shift == {"rollout": cfg1.paradigm.shift_seconds_rollout,
+                                            "reward": cfg1.paradigm.shift_seconds_reward,
+                                            "training": cfg1.paradigm.shift_seconds_training}
+    assert ctl0.policy.params.tau_shift is ctl0.tau.tau   # the online one tracks the shifts
+    assert online.figures != paper_planner.figures
+    # the profile file holds the constants it is named for
+    exact = SimConstants({"rollout": 1.0}, {"rollout": 1.0}, 0.0,
+                         {"policy": ctl1.models["rollout"].model,
+                          "genrm": ctl1.models["reward"].model})
+    path = planner_profile("exact", exact, None, tmp_path)
+    assert yaml.safe_load(path.read_text())["policy"] == vars(ctl1.models["rollout"].model)
+    with pytest.raises(ValueError, match="planner profile 'measured'"):
+        planner_profile("measured", exact, exact, tmp_path)

@@ -136,6 +136,9 @@ class ParadigmConfig:
     initial_reward_devices: int = 0
     # `pivotrl profile throughput` output (YAML with policy/genrm A-D); empty: fit online.
     throughput_profile: str = ""
+    # The planner's tau_shift follows the shifts' measured seconds (False: the configured
+    # shift_seconds_* for the whole job, as the paper's planner treats it: a constant)
+    measured_tau: bool = True
 
 
 @dataclass

@@ -109,7 +109,8 @@ def build_controller(cfg: Config, devices: Devices, clock, trace,
                   eval_temperature=cfg.rl.eval_temperature)
     policy = make_paradigm_policy(cfg)
     tau = TauTracker(initial_tau(cfg))
-    tau.attach(policy)
+    if cfg.paradigm.measured_tau:
+        tau.attach(policy)
     return Controller(loop_config(cfg), clock, devices, policy, book, task, role_models(cfg),
                       tau, trace, decider, validation, bootstrap_plan(cfg))
 

@@ -167,5 +167,20 @@ def table2(result: dict, path: Path) -> Path:
     return _save(fig, path)
 
 
+def beyond(result: dict, path: Path) -> Path:
+    """Each planner variant's tokens/s (mean, and every seed's run)."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(4.5, 3.2))
+    names = list(result["mean"])
+    ax.bar(range(len(names)), [result["mean"][n] for n in names], color=OURS)
+    for i, n in enumerate(names):
+        ax.plot([i] * len(result["tokens_per_s"][n]), result["tokens_per_s"][n], "k.")
+    ax.set_xticks(range(len(names)), names, fontsize=7)
+    ax.set_ylabel("tokens/s", fontsize=8)
+    ax.set_title(f"Beyond the paper: online fit vs fixed constants, {result['title']}",
+                 fontsize=8)
+    return _save(fig, path)
+
+
 PLOTS = {"fig9": fig9, "fig10": fig10, "fig3": fig3, "fig11": fig11, "fig13": fig13,
-         "fig14": fig14, "table2": table2}
+         "fig14": fig14, "table2": table2, "beyond": beyond}

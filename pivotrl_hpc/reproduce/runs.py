@@ -40,6 +40,10 @@ class Run:
     hardware: str = "calibrated"
     keep_trace: str = ""          # a folder to keep a `fractions` run's trace in, for
     #                               `pivotrl report` (<tag>-<paradigm>-<seed>.h5)
+    # the planner's throughput model: "" fitted online from the config's constants; fixed
+    # (never refitted) at "exact": the simulated hardware's own constants (a perfect
+    # offline profile), or "datasheet": the H20 derivation without the calibration
+    planner_profile: str = ""
 
     def all_overrides(self) -> list[str]:
         return [*self.overrides, f"paradigm.name={self.paradigm}", f"rl.seed={self.seed}"]
@@ -51,7 +55,7 @@ class Outcome:
     figures: dict = field(default_factory=dict)
 
 
-CACHE_VERSION = 1   # bump when what a run's figures mean changes
+CACHE_VERSION = 2   # bump when what a run's figures mean changes (2: KV preemption, 55ef0ff)
 
 
 def run_one(run: Run, cache: str | None = None) -> Outcome:
@@ -68,7 +72,11 @@ def run_one(run: Run, cache: str | None = None) -> Outcome:
         cfg, _ = stand_in(load_run(run), Path(scratch))
         check_kv_capacity(cfg)
         constants = calibrated(SimConstants.from_profile(cfg, H20), cfg.calibration)
-        entry = _entry(cache, cfg, constants, run.fractions)
+        entry = _entry(cache, cfg, constants, run.fractions, run.planner_profile)
+        if run.planner_profile:
+            cfg.paradigm.throughput_profile = str(planner_profile(
+                run.planner_profile, constants, SimConstants.from_profile(cfg, H20),
+                Path(scratch)))
         if entry is not None and entry.is_file():
             return Outcome(run, json.loads(entry.read_text()))
         trace = Path(scratch) / "run.h5" if run.fractions else None
@@ -119,7 +127,24 @@ def load_run(run: Run):
                        includes=run.hardware == "calibrated")
 
 
-def _entry(cache: str | None, cfg, constants, fractions: bool) -> Path | None:
+PLANNER_PROFILES = ("exact", "datasheet")
+
+
+def planner_profile(kind: str, exact, datasheet, folder: Path) -> Path:
+    """A `paradigm.throughput_profile` file of the hardware's own constants or the
+    uncalibrated datasheet's, for a planner that never refits."""
+    import yaml
+
+    if kind not in PLANNER_PROFILES:
+        raise ValueError(f"planner profile {kind!r} is not one of {', '.join(PLANNER_PROFILES)}")
+    source = exact if kind == "exact" else datasheet
+    path = folder / f"planner-{kind}.yaml"
+    path.write_text(yaml.safe_dump({m: vars(t) for m, t in source.throughput.items()}))
+    return path
+
+
+def _entry(cache: str | None, cfg, constants, fractions: bool,
+           planner: str = "") -> Path | None:
     """The cache file of a run: a hash of everything the simulation reads (the resolved
     config but for the stood-in model folders and the trace path, the constants). Not the
     sources: the simulator's speed-ups keep its results (tests/test_sim_speed.py); each
@@ -134,8 +159,11 @@ def _entry(cache: str | None, cfg, constants, fractions: bool) -> Path | None:
         m.pop("path", None)
     d["data"].pop("train", None)
     d["data"].pop("validation", None)
-    key = json.dumps({"v": CACHE_VERSION, "config": d, "constants": constants.to_dict(),
-                      "fractions": fractions}, sort_keys=True, default=str)
+    parts = {"v": CACHE_VERSION, "config": d, "constants": constants.to_dict(),
+             "fractions": fractions}
+    if planner:
+        parts["planner_profile"] = planner
+    key = json.dumps(parts, sort_keys=True, default=str)
     return Path(cache) / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
 
 
