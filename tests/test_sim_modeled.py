@@ -149,3 +149,18 @@ def test_only_max_num_seqs_sequences_decode_at_once_the_rest_wait_their_turn():
         [sum(by_hand[:3]), sum(by_hand[3:7]), by_hand[7]], rel=1e-12)
     c = [t for o in outs for p in o.progress if p.seq_id == "c" for t in p.token_ids]
     assert c == tokens_at("c", 0, 4, 64)
+
+
+def test_a_shift_down_while_idle_is_refused_as_the_live_worker_refuses_it():
+    """DeviceWorker answers a ShiftDown of an idle device with RoleError; the modeled one
+    answers with a failed reply that says why (it raised KeyError 'idle' before)."""
+    from pivotrl_hpc.runtime.messages import ShiftDown
+
+    w = worker({"a": 2})
+    w.submit(ShiftDown())
+    w.clock.wait_until(w.next_reply_time())
+    (down,) = w.poll()
+    assert down.ok and [s.seq_id for s in down.result] == ["a"]
+    w.submit(ShiftDown())
+    (again,) = w.poll()
+    assert not again.ok and "shift down while idle" in again.error

@@ -164,6 +164,8 @@ class ModeledWorker:
         if isinstance(cmd, Prepare):  # modeled shifts are warm: nothing to build
             return {"built": list(cmd.models), "seconds": 0.0}, 0.0
         if isinstance(cmd, ShiftDown):
+            if self.role == RoleKind.IDLE:   # as DeviceWorker._shift_down (RoleError)
+                raise ValueError("shift down while idle")
             back = self._abort(None)
             role, self.role = self.role.value, RoleKind.IDLE
             return back, self.shift_down_s[role]
