@@ -71,14 +71,14 @@ def run_one(run: Run, cache: str | None = None) -> Outcome:
     with tempfile.TemporaryDirectory(prefix="pivotrl-reproduce-") as scratch:
         cfg, _ = stand_in(load_run(run), Path(scratch))
         check_kv_capacity(cfg)
-        constants = calibrated(SimConstants.from_profile(cfg, H20), cfg.calibration)
+        datasheet = SimConstants.from_profile(cfg, H20)
+        constants = calibrated(datasheet, cfg.calibration)
         entry = _entry(cache, cfg, constants, run.fractions, run.planner_profile)
-        if run.planner_profile:
-            cfg.paradigm.throughput_profile = str(planner_profile(
-                run.planner_profile, constants, SimConstants.from_profile(cfg, H20),
-                Path(scratch)))
         if entry is not None and entry.is_file():
             return Outcome(run, json.loads(entry.read_text()))
+        if run.planner_profile:
+            cfg.paradigm.throughput_profile = str(planner_profile(
+                run.planner_profile, constants, datasheet, Path(scratch)))
         trace = Path(scratch) / "run.h5" if run.fractions else None
         try:
             summary = simulate(cfg, constants, trace)
