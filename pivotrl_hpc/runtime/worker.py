@@ -98,11 +98,12 @@ class DeviceWorker:
         hosted = self.spec.engine_process and cmd.role != RoleKind.TRAINING
         weights, phases = None, {}
         if not params_on_host and not hosted:  # an unpublished update comes back from host
-            if version is None:  # name the version before reading it, not after
-                version = _current(self.store, model)
             # Training Reads exactly its TP rank's Megatron shard; inference the HF slices.
             kw = {"layout": "megatron"} if cmd.role == RoleKind.TRAINING else {}
-            weights = self.store.read(model, place, version, **kw)
+            if version is None:  # the current one, pinned as it is named (issue 47)
+                weights, version = read_current(self.store, model, place, **kw)
+            else:
+                weights = self.store.read(model, place, version, **kw)
             phases[phase(ContextKind.PARAMETERS, "read")] = time.perf_counter() - t0
         if cmd.role == RoleKind.TRAINING:
             phases.update(self._training_up(weights))
@@ -267,17 +268,22 @@ class DeviceWorker:
                 {"gps_replicate_wait": time.perf_counter() - t0})
 
     def _reload(self, cmd: Reload) -> tuple[Any, dict]:
+        """Load `cmd.version` or a newer live one: the current version, pinned as it is
+        named. A step published between the controller's send and this read has retired
+        the named one already (issue 47); newer is always allowed (the staleness bound is
+        about the oldest version generating)."""
         if self.role != RoleKind.ROLLOUT:
             raise RoleError(f"reload of policy weights while {self.role.value}")
         t0 = time.perf_counter()
+        wait_for_version(self.store, "policy", cmd.version)
         if self.spec.engine_process:  # the host Reads GPS itself: Read + load in one figure
             host = self._engine()
             seconds = host.load_weights(self.inference.gps_read(
-                "policy", self.spec.inference_place, cmd.version))
-            self.version = host.version
+                "policy", self.spec.inference_place, None))
+            self.version = _at_least(host.version, cmd.version)
             return {"version": self.version}, {phase(ContextKind.PARAMETERS, "load"): seconds}
-        version = cmd.version if cmd.version is not None else _current(self.store, "policy")
-        weights = self.store.read("policy", self.spec.inference_place, version)
+        weights, version = read_current(self.store, "policy", self.spec.inference_place)
+        version = _at_least(version, cmd.version)
         phases = {phase(ContextKind.PARAMETERS, "read"): time.perf_counter() - t0}
         phases[phase(ContextKind.PARAMETERS, "load")] = self._engine().load_weights(weights)
         self.version = version
@@ -311,6 +317,26 @@ class DeviceWorker:
         return requeue, phases
 
 
-def _current(store: ParameterStore, model: str) -> int | None:
-    state = getattr(store, "state", None)
-    return state(model).current if state is not None else None
+def read_current(store: ParameterStore, model: str, place, **kw) -> tuple[Any, int | None]:
+    """GPS Read of the current version and that version's number. Named and read under one
+    pin: naming it first and reading it after fails when a publish retires it in between."""
+    pin = getattr(store, "pin", None)
+    if pin is None:   # a store without pins (a test's): its current version, unnamed
+        return store.read(model, place, None, **kw), None
+    with pin(model) as p:
+        return store.read(model, place, pin=p, **kw), p.version
+
+
+def wait_for_version(store: ParameterStore, model: str, version: int | None,
+                     timeout_s: float = 60.0) -> None:
+    """Until this node's GPS holds `version` or a newer one (a Reload names a version
+    every node holds: this returns at once unless a node lags)."""
+    wait = getattr(store, "wait_version", None)
+    if version is not None and wait is not None:
+        wait(model, version, timeout_s)
+
+
+def _at_least(got: int | None, wanted: int | None) -> int | None:
+    if got is not None and wanted is not None and got < wanted:
+        raise RoleError(f"policy v{got} loaded, older than v{wanted} that the Reload needs")
+    return got

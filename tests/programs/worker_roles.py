@@ -37,7 +37,8 @@ class RecordingStore:
         self.client, self.reads = client, []
 
     def read(self, model, place, version=None, **kw):
-        self.reads.append((model, version))
+        pin = kw.get("pin")   # the worker names the current version by pinning it
+        self.reads.append((model, pin.version if pin is not None else version))
         return self.client.read(model, place, version, **kw)
 
     def __getattr__(self, name):
