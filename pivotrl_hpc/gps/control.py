@@ -35,6 +35,7 @@ import fcntl
 import mmap
 import os
 import platform
+import secrets
 import select
 import struct
 import time
@@ -70,6 +71,11 @@ class ModelState:
     live: tuple[int, ...]
 
 
+class ControlNotReady(RuntimeError):
+    """The control file is shorter than a control segment: not whole yet (or left so by a
+    crash). Clients retry until their deadline (gps.client retries RuntimeError)."""
+
+
 class ControlBlock:
     """Attach to (or, for the agent, create) the node's control segment."""
 
@@ -77,21 +83,25 @@ class ControlBlock:
                  token: str = "", dir_fd: int | None = None):
         """`dir_fd`: the GPS folder's descriptor; `path.name` is then opened in it."""
         self.path = Path(path)
-        flags = os.O_RDWR | os.O_NOFOLLOW | (os.O_CREAT | os.O_EXCL if create else 0)
-        fd = os.open(self.path.name if dir_fd is not None else self.path, flags, 0o600,
-                     dir_fd=dir_fd)
+        tmp = None
+        if create:
+            fd, tmp = _create(self.path, dir_fd)
+        else:
+            fd = os.open(self.path.name if dir_fd is not None else self.path,
+                         os.O_RDWR | os.O_NOFOLLOW, dir_fd=dir_fd)
         try:
             st = os.fstat(fd)
-            if st.st_uid != os.getuid() or st.st_size < SIZE and not create:
+            if st.st_uid != os.getuid():
                 raise PermissionError(f"{self.path} is not a GPS control segment of uid "
                                       f"{os.getuid()} (uid {st.st_uid}, {st.st_size} bytes)")
-            if create:   # allocated, not ftruncated: a full shm is an error here, no SIGBUS
-                reserve_file(fd, self.path, 0, SIZE)
+            if st.st_size < SIZE:
+                raise ControlNotReady(f"{self.path} holds {st.st_size} of a control "
+                                      f"segment's {SIZE} bytes")
             self.mm = mmap.mmap(fd, SIZE)
         except BaseException:
             os.close(fd)
-            if create:
-                os.unlink(self.path.name if dir_fd is not None else self.path, dir_fd=dir_fd)
+            if tmp is not None:
+                os.unlink(tmp, dir_fd=dir_fd)
             raise
         self._fd = fd   # kept: the flock of the LOCKED path
         self._words = memoryview(self.mm).cast("Q")  # single 8-byte loads and stores
@@ -102,6 +112,11 @@ class ControlBlock:
             tok = token.encode()[:_TOKEN].ljust(_TOKEN, b"\0")
             struct.pack_into(f"<QQQQQ{_TOKEN}s", self.mm, 0, MAGIC, os.getpid(), group_size,
                              0, start_time(os.getpid()) or 0, tok)
+            try:   # whole now: only from here on can another process open it by its name
+                _link_into_place(self.path, tmp, dir_fd)
+            except BaseException:
+                self.close()
+                raise
         elif struct.unpack_from("<Q", self.mm, 0)[0] != MAGIC:
             self.close()
             raise RuntimeError(f"{self.path} is not a GPS control segment")
@@ -237,6 +252,35 @@ class ControlBlock:
         self.mm.close()
         os.close(self._fd)
         self._fd = -1
+
+
+def _create(path: Path, dir_fd: int | None) -> tuple[int, str]:
+    """The control file made whole under a temporary name in the folder (`<name>.tmp-<hex>`,
+    a job file the epilog sweeps): created and allocated (not ftruncated: a full shm is an
+    error here, no SIGBUS later); its fd and that name. `_link_into_place` names it once it
+    is initialised (issue 47: a client that opened the name between a create and a size saw
+    0 bytes and gave up)."""
+    tmp = f"{path.name}.tmp-{secrets.token_hex(4)}"
+    where = tmp if dir_fd is not None else str(path.with_name(tmp))
+    fd = os.open(where, os.O_RDWR | os.O_NOFOLLOW | os.O_CREAT | os.O_EXCL, 0o600,
+                 dir_fd=dir_fd)
+    try:
+        reserve_file(fd, path, 0, SIZE)
+    except BaseException:
+        os.close(fd)
+        os.unlink(where, dir_fd=dir_fd)
+        raise
+    return fd, where
+
+
+def _link_into_place(path: Path, tmp: str, dir_fd: int | None) -> None:
+    """Give the whole file its name (EEXIST if the name is taken: the O_EXCL of before) and
+    drop the temporary one."""
+    name = path.name if dir_fd is not None else str(path)
+    try:
+        os.link(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
+    finally:
+        os.unlink(tmp, dir_fd=dir_fd)
 
 
 def live_agent(path: Path) -> int | None:
