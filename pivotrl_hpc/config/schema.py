@@ -27,6 +27,10 @@ class ClusterConfig:
     # "device" lends its CPU to a busy one and paradigm comparisons mean nothing. True turns
     # the refusal into a warning (for a quick look, never for a measurement).
     allow_oversubscribe: bool = False
+    # Memory of one device, GiB; 0: the kind's figure (engines/memory.py DEVICE_MEMORY_GIB:
+    # gpu 96, the paper's H20; cpu 0.25, the emulation's). Each engine's KV cache is what
+    # roles.gpu_memory_utilization of it leaves after the weights and the workspace.
+    device_memory_gib: float = 0.0
 
 
 @dataclass
@@ -57,7 +61,11 @@ class RolesConfig:
     reward_replica_size: int = 1
     train_devices: int = 4
     train_tensor_parallel: int = 1
-    kv_cache_mb: int = 16        # KV cache of one inference replica (fixes its capacity)
+    # KV cache of one inference replica, MiB, split over its TP ranks: an explicit override.
+    # 0 (default): derived from the device as vLLM does (engines/memory.py): device memory x
+    # gpu_memory_utilization - weight shard - activation workspace, summed over the replica.
+    kv_cache_mb: int = 0
+    gpu_memory_utilization: float = 0.9   # vLLM's: the fraction of a device an engine uses
     # Decode iterations per Step command: how often the controller hears from an inference
     # replica (and can Dispatch into the slots its finished sequences left)
     step_iterations: int = 4

@@ -105,20 +105,42 @@ def _context(hf: dict) -> int:
 
 def check_kv_capacity(cfg: Config) -> None:
     """A sequence at its longest must fit one replica's KV cache, or the scheduler can never
-    place it and the job waits forever (the paper groups at the CPU default of 16 MB did)."""
-    from pivotrl_hpc.gps.shapes import kv_bytes
+    place it and the job waits forever (the paper groups at the CPU default of 16 MB did).
+    The cache is derived from the device (engines/memory.py) unless roles.kv_cache_mb
+    overrides it."""
+    from pivotrl_hpc.engines.memory import KVBudget
 
-    mb = cfg.roles.kv_cache_mb
     for name, role in (("policy", "rollout"), ("genrm", "reward")):
         m: ModelConfig = getattr(cfg.models, name)
-        per_token = kv_bytes(m.path, m.dtype)
-        need = m.max_prompt_len + m.max_response_len
-        if need * per_token > mb * 2**20:
+        kv = KVBudget(cfg, name)
+        need, have = m.max_prompt_len + m.max_response_len, kv.replica_tokens
+        if need <= have:
+            continue
+        if kv.override:
+            per_token = kv.shape.kv_bytes_per_token(kv.b)
             raise ConfigError("roles.kv_cache_mb",
-                              f"{mb} MB per {role} replica holds {mb * 2**20 // per_token} "
+                              f"{cfg.roles.kv_cache_mb} MB per {role} replica holds {have} "
                               f"tokens of {name} ({per_token} bytes a token), fewer than its "
                               f"longest sequence (max_prompt_len + max_response_len = {need}); "
-                              f"raise it to at least {-(-need * per_token // 2**20)}")
+                              f"raise it to at least {-(-need * per_token // 2**20)}, or set "
+                              f"0 to derive it from the device's memory")
+        raise ConfigError("cluster.device_memory_gib",
+                          f"a {role} replica holds {have} tokens of {name}, fewer than its "
+                          f"longest sequence ({need}): {kv.explain()}; give it more devices "
+                          f"(models.{name}.tensor_parallel), a larger device or a higher "
+                          f"roles.gpu_memory_utilization")
+
+
+def _memory(cfg: Config) -> None:
+    u, gib = cfg.roles.gpu_memory_utilization, cfg.cluster.device_memory_gib
+    if not 0 < u <= 1:
+        raise ConfigError("roles.gpu_memory_utilization", f"{u!r} must be in (0, 1]")
+    if not gib >= 0:
+        raise ConfigError("cluster.device_memory_gib", f"{gib!r} must be >= 0 (0: the "
+                                                       "device kind's figure)")
+    if cfg.roles.kv_cache_mb < 0:
+        raise ConfigError("roles.kv_cache_mb", f"{cfg.roles.kv_cache_mb} must be >= 0 (0: "
+                                               "derived from the device's memory)")
 
 
 def _folder_architecture(name: str, m: ModelConfig, hf: dict) -> None:
@@ -304,6 +326,7 @@ def validate(cfg: Config, check_files: bool = True) -> None:
     _training(cfg)
     _checkpoints(cfg, check_files)
     _architectures(cfg)
+    _memory(cfg)
     _task_settings(cfg)
     if check_files:
         _models_on_disk(cfg)

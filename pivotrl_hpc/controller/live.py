@@ -30,7 +30,7 @@ from pivotrl_hpc.controller.rl import Lengths, RLBook
 from pivotrl_hpc.plan.types import ReplicaSpec, ShiftPlan
 from pivotrl_hpc.runtime.messages import Shutdown
 from pivotrl_hpc.task.task import build_task
-from pivotrl_hpc.gps.shapes import kv_tokens
+from pivotrl_hpc.engines.memory import replica_kv_tokens
 from pivotrl_hpc.sched.model import ThroughputModel
 
 log = logging.getLogger(__name__)
@@ -43,10 +43,9 @@ def loop_config(cfg: Config) -> LoopConfig:
     return LoopConfig(
         gpus=cfg.total_devices,
         replica_gpus={"rollout": r.rollout_replica_size, "reward": r.reward_replica_size},
-        kv_capacity={"rollout": kv_tokens(cfg.models.policy.path, r.kv_cache_mb,
-                                          cfg.models.policy.dtype),
-                     "reward": kv_tokens(cfg.models.genrm.path, r.kv_cache_mb,
-                                         cfg.models.genrm.dtype)},
+        # the tokens each engine's cache holds (engines/memory.py), live and simulated
+        kv_capacity={"rollout": replica_kv_tokens(cfg, "policy"),
+                     "reward": replica_kv_tokens(cfg, "genrm")},
         training_devices=tuple(range(r.train_devices)), steps=cfg.rl.steps,
         planner_interval_s=cfg.paradigm.planner_interval_s,
         log_interval_s=cfg.trace.log_interval_s, eval_every=cfg.rl.eval_every,

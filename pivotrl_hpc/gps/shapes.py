@@ -135,24 +135,18 @@ class ModelShape:
         total = self.num_params()
         if not self.is_moe:
             return float(total)
-        experts = sum(math.prod(v) for k, v in self.hf_param_shapes().items()
-                      if ".experts." in k)
+        experts = self.routed_expert_params()
         return total - experts + experts * self.num_experts_per_tok / self.num_experts
+
+    def routed_expert_params(self) -> int:
+        """Parameters of the routed experts (0 for a dense model; shared experts not)."""
+        return sum(math.prod(v) for k, v in self.hf_param_shapes().items()
+                   if ".experts." in k)
 
 
 def itemsize(dtype: str) -> int:
     """Bytes of one element of a config `dtype` ("float32": 4, the 16-bit ones 2)."""
     return 4 if dtype == "float32" else 2
-
-
-def kv_bytes(model_dir: str, dtype: str) -> int:
-    """KV cache bytes of one token of this model in `dtype`."""
-    return ModelShape.from_hf_config(model_dir).kv_bytes_per_token(itemsize(dtype))
-
-
-def kv_tokens(model_dir: str, kv_cache_mb: int, dtype: str) -> int:
-    """Tokens a KV cache of `kv_cache_mb` holds for this model."""
-    return kv_cache_mb * 2**20 // kv_bytes(model_dir, dtype)
 
 
 def _moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:

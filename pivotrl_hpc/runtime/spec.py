@@ -100,12 +100,18 @@ def replica_size(cfg: Any, model: str) -> int:
 
 
 def engine_options(cfg: Any, model: str):
-    """One replica's engine; its KV cache (`roles.kv_cache_mb`) is split over its TP ranks."""
+    """One replica's engine; each TP rank's KV cache is what its device leaves after the
+    weight shard and the workspace (engines/memory.py), or `roles.kv_cache_mb` split over
+    the ranks where the config sets it."""
+    from pivotrl_hpc.engines.memory import KVBudget
     from pivotrl_hpc.engines.vllm.types import EngineOptions
 
     m, size = getattr(cfg.models, model), replica_size(cfg, model)
+    kv = KVBudget(cfg, model)
     return EngineOptions(dtype=m.dtype, max_model_len=m.max_prompt_len + m.max_response_len,
-                         kv_cache_memory_bytes=cfg.roles.kv_cache_mb * MiB // size,
+                         kv_cache_memory_bytes=kv.device_bytes,
+                         gpu_memory_utilization=cfg.roles.gpu_memory_utilization,
+                         device_memory_bytes=0 if kv.override else kv.memory,
                          tensor_parallel_size=size, seed=cfg.rl.seed,
                          omp_threads=omp_threads(cfg),
                          enable_expert_parallel=m.expert_parallel > 1)

@@ -11,16 +11,29 @@ Per GPU of a replica of tensor-parallel degree `tp` (EP spreads the experts the 
   iteration reads each running sequence's whole KV cache; a GPU holds max(1/tp, 1/kv_heads)
   of it (KV heads are replicated once tp exceeds them).
 - B = weight bytes read per iteration on this GPU / (eta_mem * HBM bandwidth): all
-  parameters / tp. For an MoE model all experts count: at RL decode batches (hundreds of
-  sequences, top-8 of 128-256 experts) every expert is hit each iteration.
+  parameters / tp for a dense model. For an MoE model B is the dense part (attention,
+  embeddings, shared experts, dense layers) and `expert_B` the routed experts, of which an
+  iteration of n sequences reads the expected distinct fraction 1 - (1 - k/E)^n per layer
+  (top-k of E; `sched.model.MoEThroughputModel`): a tail of one Qwen3-30B-A3B judgement
+  reads 8 of 128 experts a layer, a batch of 100 all but 0.2 %.
 - C = 2 * active parameters / tp / (eta_flop * bf16 FLOP/s): the GEMM work of one more
   sequence once the FFN is compute bound.
 - prefill, seconds per token = C: a prompt's tokens (and a migrated sequence's prompt +
   generated tokens where it lands) go through the same GEMMs, compute bound.
 - D = `step_overhead_s` (scheduler, sampling, launches) + 2 all-reduces per layer at
   `allreduce_s` each when tp > 1.
-- training step = 8 * active parameters * tokens / (devices * bf16 FLOP/s * mfu_train):
-  forward + backward (6 N per token) and the recomputed old-policy log-probabilities (2 N).
+- training step (`train_costs`), on `devices` GPUs at tensor parallel tp (within a node)
+  and data parallel dp = devices / tp, as the Megatron-Core trainer runs it:
+  compute 8 * active parameters * tokens / (devices * bf16 FLOP/s * mfu_train) (forward +
+  backward 6 N a token, the recomputed old-policy log-probabilities 2 N); TP's activation
+  all-reduces, 6 a layer a token (2 in each forward, 2 in the backward) of hidden * 2 bytes
+  over NVLink, each DP rank its tokens / dp; once a step the fp32 gradient all-reduce
+  (`grad_reduce_in_fp32=True, overlap_grad_reduce=False`: not hidden behind the backward)
+  of 4 * parameters / tp bytes, a ring over dp ranks, on NVLink inside a node, else on the
+  InfiniBand link (one per GPU: the ring's slowest hop); and each rank's Adam step over its
+  whole shard (no distributed optimizer: fp32 master, m, v, grad read and master, m, v
+  written, 28 bytes a parameter / tp at eta_mem of HBM). Wider training divides compute,
+  not the gradient all-reduce or the optimizer step.
 - shift up of an inference replica = `engine_wake_s` + its weight bytes per GPU over the
   GPS Read link (PCIe: replication-first GPS makes every Read node-local, appendix B.1);
   shift down = `engine_sleep_s` (weights and KV cache are discarded, nothing moves).
@@ -35,13 +48,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pivotrl_hpc.engines.memory import DEVICE_MEMORY_GIB
 from pivotrl_hpc.gps.shapes import ModelShape, itemsize
-from pivotrl_hpc.sched.model import ThroughputModel
+from pivotrl_hpc.sched.model import MoEThroughputModel, ThroughputModel
 
 
 @dataclass(frozen=True)
 class Hardware:
     name: str
+    memory_gib: float        # device memory (engines/memory.py derives the KV cache from it)
     hbm_bps: float           # HBM bandwidth of one GPU, bytes/s
     bf16_flops: float        # dense bf16 tensor FLOP/s of one GPU
     pcie_bps: float          # host <-> GPU (a node-local GPS Read)
@@ -60,8 +75,8 @@ class Hardware:
 
 # The paper's cluster (§8.1): NVIDIA H20 96 GB (4.0 TB/s HBM3, 148 TFLOP/s dense bf16),
 # NVLink 900 GB/s, InfiniBand 50 GB/s, PCIe 63 GB/s (§5.1).
-H20 = Hardware("H20-96GB", hbm_bps=4.0e12, bf16_flops=148e12, pcie_bps=63e9,
-               nvlink_bps=900e9, ib_bps=50e9)
+H20 = Hardware("H20-96GB", memory_gib=DEVICE_MEMORY_GIB["gpu"], hbm_bps=4.0e12,
+               bf16_flops=148e12, pcie_bps=63e9, nvlink_bps=900e9, ib_bps=50e9)
 HARDWARE = {"h20": H20}
 
 # The paper's Figure 12 (read off the figure, seconds): shift up / down per model size.
@@ -73,10 +88,14 @@ def inference_model(shape: ModelShape, dtype: str, tp: int, hw: Hardware) -> Thr
     b, mem = itemsize(dtype), hw.eta_mem * hw.hbm_bps
     kv_share = max(1.0 / tp, 1.0 / shape.num_kv_heads)
     A = shape.kv_bytes_per_token(b) * kv_share / mem
-    B = shape.num_params() * b / tp / mem
     C = prefill_seconds(shape, tp, hw)   # one sequence's GEMM work: a prefilled token's too
     D = hw.step_overhead_s + (2 * shape.num_layers * hw.allreduce_s if tp > 1 else 0.0)
-    return ThroughputModel(A, B, C, D)
+    experts = shape.routed_expert_params()
+    B = (shape.num_params() - experts) * b / tp / mem
+    if not experts:
+        return ThroughputModel(A, B, C, D)
+    return MoEThroughputModel(A, B, C, D, expert_B=experts * b / tp / mem,
+                              experts=shape.num_experts, top_k=shape.num_experts_per_tok)
 
 
 def prefill_seconds(shape: ModelShape, tp: int, hw: Hardware) -> float:
@@ -89,7 +108,34 @@ def prefill_seconds(shape: ModelShape, tp: int, hw: Hardware) -> float:
 
 
 def train_seconds(shape: ModelShape, tokens: float, devices: int, hw: Hardware) -> float:
+    """Compute alone: perfect scaling with width (`train_costs` adds the communication)."""
     return 8.0 * shape.num_active_params() * tokens / (devices * hw.bf16_flops * hw.mfu_train)
+
+
+TP_ALLREDUCES_PER_LAYER = 6   # 2 in each forward (old log-probabilities, loss), 2 backward
+GRAD_BYTES = 4                # grad_reduce_in_fp32 (engines/megatron/trainer.py)
+ADAM_BYTES = 28               # fp32 master, m, v, grad read; master, m, v written
+
+
+def _ring(n: int) -> float:
+    """Bytes each member of a ring all-reduce of n members sends per byte reduced."""
+    return 2.0 * (n - 1) / n
+
+
+def train_costs(shape: ModelShape, devices: int, tp: int, devices_per_node: int,
+                hw: Hardware) -> tuple[float, float]:
+    """(seconds a step, seconds a token) of a training step on `devices` GPUs at tensor
+    parallel `tp` (module docstring): the step's gradient all-reduce and Adam, and per
+    token the compute and the TP all-reduces."""
+    dp = devices // tp
+    per_token = train_seconds(shape, 1.0, devices, hw)
+    if tp > 1:
+        per_token += (TP_ALLREDUCES_PER_LAYER * shape.num_layers * shape.hidden_size * 2
+                      * _ring(tp) / hw.nvlink_bps / dp)
+    link = hw.nvlink_bps if devices <= devices_per_node else hw.ib_bps
+    grads = GRAD_BYTES * shape.num_params() / tp * _ring(dp) / link if dp > 1 else 0.0
+    adam = ADAM_BYTES * shape.num_params() / tp / (hw.eta_mem * hw.hbm_bps)
+    return grads + adam, per_token
 
 
 def inference_shift(shape: ModelShape, dtype: str, tp: int, hw: Hardware
@@ -129,14 +175,14 @@ def replication(nbytes: int, nodes: int, writer_nodes: int, hw: Hardware) -> dic
 def calibrated(constants, cal):
     """`constants` (a `sim.run.SimConstants` from the datasheet) with a paper group's fit
     applied (`Config.calibration`, written by `pivotrl reproduce calibrate`): each model's
-    A-D and prefill seconds times its scale, training seconds a token times train_scale,
+    A-D (and an MoE's expert_B) and prefill seconds times its scale, training seconds (a
+    step's and a token's) times train_scale,
     and each shift's seconds where the calibration names them (the paper's Figure 12). The
     planner's own estimates follow, since it reads the same constants (sim/run.py)."""
     from dataclasses import replace
 
     scale = {"policy": cal.policy_scale, "genrm": cal.genrm_scale}
-    models = {m: ThroughputModel(t.A * scale[m], t.B * scale[m], t.C * scale[m],
-                                 t.D * scale[m]) for m, t in constants.throughput.items()}
+    models = {m: t.scaled(scale[m]) for m, t in constants.throughput.items()}
     up, down = dict(constants.shift_up_s), dict(constants.shift_down_s)
     for role in ("rollout", "reward", "training"):
         up[role] = getattr(cal, f"shift_up_s_{role}") or up[role]

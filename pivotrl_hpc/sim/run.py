@@ -98,13 +98,16 @@ class SimConstants:
         g_up, g_down = pf.inference_shift(gs, gen.dtype, gen.tensor_parallel, hw)
         t_up, t_down = pf.training_shift(ps, cfg.roles.train_devices,
                                          cfg.roles.train_tensor_parallel, hw)
+        step_s, token_s = pf.train_costs(ps, cfg.roles.train_devices,
+                                         cfg.roles.train_tensor_parallel,
+                                         cfg.cluster.devices_per_node, hw)
         return cls({"rollout": r_up, "reward": g_up, "training": t_up},
                    {"rollout": r_down, "reward": g_down, "training": t_down},
-                   0.0,
+                   step_s,
                    {"policy": pf.inference_model(ps, pol.dtype, pol.tensor_parallel, hw),
                     "genrm": pf.inference_model(gs, gen.dtype, gen.tensor_parallel, hw)},
                    f"profile {hw.name}",
-                   train_s_per_token=pf.train_seconds(ps, 1.0, cfg.roles.train_devices, hw),
+                   train_s_per_token=token_s,
                    prefill_s_per_token={
                        "policy": pf.prefill_seconds(ps, pol.tensor_parallel, hw),
                        "genrm": pf.prefill_seconds(gs, gen.tensor_parallel, hw)})

@@ -119,6 +119,16 @@ def _quiet_warmup_failure() -> None:
         logger.addFilter(_TokenizerlessWarmupFilter())
 
 
+def check_device_memory(options: EngineOptions, total: int) -> None:
+    """The KV bytes were derived for a device of `device_memory_bytes`; on a smaller one
+    vLLM would fail deep in its start-up (or squeeze the workspace), so say which key."""
+    if options.device_memory_bytes > total:
+        raise ValueError(f"the KV cache ({options.kv_cache_memory_bytes / 2**30:.2f} GiB a "
+                         f"device) was derived for {options.device_memory_bytes / 2**30:.1f} "
+                         f"GiB devices, this one has {total / 2**30:.1f} GiB: set "
+                         f"cluster.device_memory_gib: {total / 2**30:.1f}")
+
+
 def build_llm(model_dir: Path, options: EngineOptions, gpu: bool):
     """Create the engine with random-initialised ("dummy" load format) weights; real ones come from
     `reload_weights`, so that a folder, a GPS mapping and a shift up take the same path."""
@@ -136,6 +146,7 @@ def build_llm(model_dir: Path, options: EngineOptions, gpu: bool):
     if options.enable_expert_parallel:
         kwargs["enable_expert_parallel"] = True
     if gpu:
+        check_device_memory(options, torch.cuda.mem_get_info()[1])
         kwargs.update(enable_sleep_mode=True,
                       gpu_memory_utilization=options.gpu_memory_utilization)
     _quiet_warmup_failure()
