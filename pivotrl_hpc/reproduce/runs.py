@@ -55,7 +55,8 @@ class Outcome:
     figures: dict = field(default_factory=dict)
 
 
-CACHE_VERSION = 2   # bump when what a run's figures mean changes (2: KV preemption, 55ef0ff)
+CACHE_VERSION = 3   # bump when what a run's figures mean changes (2: KV preemption, 55ef0ff;
+#                     3: issue 49, KV from the device, MoE experts touched, training comm)
 
 
 def run_one(run: Run, cache: str | None = None) -> Outcome:
