@@ -35,6 +35,36 @@ CASES = [
 ]
 
 
+# Held-out-style yes/no verdicts (issue 48, written as a GenRM writes them, not tuned to the
+# rule): -> the score, or None where the rule must refuse (counted unparsed). The old rule
+# took the last yes/no word anywhere after </think>: it read the first three the wrong way.
+VERDICTS = [
+    ("The final answer 12 is not correct.", 0.0),
+    ("The solution is correct, with no errors.", 1.0),
+    ("Verdict: no\n(Yes, I am sure.)", 0.0),
+    ("Verdict: no (Yes, I am sure.)", 0.0),
+    ("**Verdict:** Yes", 1.0),
+    ("The reasoning has a slip, but the answer matches.\nVerdict: yes", 1.0),
+    ("The answer isn't correct: 7 * 8 is 56.", 0.0),
+    ("Verdict: not correct", 0.0),
+    ("Verdict: yes\nOn reflection:\nVerdict: no", 0.0),           # the last verdict line
+    ("It is correct. No, wait: incorrect.", None),                   # says both: refuse
+    ("There are no errors in the arithmetic.", None),                # no verdict at all
+    ("Verdict: unclear", None),
+    ("Verdict: not incorrect", None),
+    ("Incorrect.", 0.0),
+    ("No.", 0.0),
+]
+
+
+@pytest.mark.parametrize("text,score", VERDICTS)
+def test_yes_no_verdicts_read_negations_or_refuse(text, score):
+    for family in ("qwen3.5", "tiny"):
+        got = parse_judgement("<think>Maybe yes. Maybe not.</think>\n" + text,
+                              FAMILIES[family].rule)
+        assert (got.score, got.parsed) == ((score, True) if score is not None else (0.0, False))
+
+
 @pytest.mark.parametrize("family,opened,text,expected", CASES)
 def test_each_family_parses_its_judgements(family, opened, text, expected):
     got = parse_judgement(text, FAMILIES[family].rule, opened)

@@ -7,9 +7,9 @@ tokenizer's chat template (`enable_thinking` where the template takes it). Parsi
 thinking: the score is read only after the last `</think>`; thinking that never closes (the
 judgement was cut at its cap, or the prompt opened `<think>` and the model never left it) is
 truncated. The rule: `boxed` (the last \\boxed{x}, x numeric, times `reward.genrm_scale`),
-`yesno` (the last yes/no or correct/incorrect word), or `regex` (the last match's first
-group, numeric, times the scale). A judgement with no score, or a score outside [0, 1] after
-scaling, gets `reward.genrm_default` and is counted as unparsed.
+`yesno` (the verdict, see `yes_no`), or `regex` (the last match's first group, numeric,
+times the scale). A judgement with no score, or a score outside [0, 1] after scaling, gets
+`reward.genrm_default` and is counted as unparsed.
 """
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ FAMILIES: dict[str, Family] = {
     "qwen3": Family("qwen3.txt", ParseRule("boxed", 0.1)),
     # Qwen3.5-122B-A10B: thinks, then a one-word verdict line
     "qwen3.5": Family("qwen3.5.txt", ParseRule("yesno", 1.0)),
-    # the tiny CPU GenRM (random weights): a yes/no question, mostly unparsed
+    # the tiny CPU GenRM (warm-started by init-models to write the verdict line)
     "tiny": Family("tiny.txt", ParseRule("yesno", 1.0)),
 }
 
@@ -95,7 +95,12 @@ def after_thinking(text: str, opened: bool = False) -> str | None:
     return text
 
 
-_VERDICT = re.compile(r"\b(yes|no|correct|incorrect)\b", re.IGNORECASE)
+# The templates' verdict line ("Verdict: yes"), the last one; markdown around it allowed.
+_VERDICT_LINE = re.compile(r"^[\W_]*verdict[\W_]*:(.*)$", re.IGNORECASE | re.MULTILINE)
+# A verdict word, with a negation before it. "no" counts only as an answer on its own
+# ("No.", "no,", "no" at the end), not as a determiner ("no errors").
+_WORD = re.compile(r"(?:\b(not|never|isn'?t|wasn'?t|aren'?t|n't)\s+)?"
+                   r"\b(yes|correct|incorrect|no(?![ \t]*[a-z]))\b", re.IGNORECASE)
 _NUMBER = re.compile(r"\s*([-+]?\d+(?:\.\d+)?)\s*")
 
 
@@ -117,12 +122,36 @@ def _number(raw: str | None, scale: float) -> float | None:
     return float(m.group(1)) * scale if m else None
 
 
+def _reading(negation: str, word: str) -> float | None:
+    positive = word.lower() in ("yes", "correct")
+    if negation and not positive:
+        return None   # "not incorrect", "not no": no verdict a rule should guess
+    return float(positive and not negation)
+
+
+def polarity(text: str) -> float | None:
+    """1.0 or 0.0 when every verdict word of `text` says the same (negations read: "not
+    correct" is 0, "correct, with no errors" is 1); None when none does or they disagree."""
+    said = {_reading(*m) for m in _WORD.findall(text)}
+    return said.pop() if len(said) == 1 else None
+
+
+def yes_no(answer: str) -> float | None:
+    """The last "Verdict:" line's first verdict word decides, whatever follows ("Verdict:
+    no ... (Yes, I am sure.)" is 0); without such a line, the whole answer if it says one
+    thing; else None (unparsed)."""
+    lines = _VERDICT_LINE.findall(answer)
+    if not lines:
+        return polarity(answer)
+    first = _WORD.search(lines[-1])
+    return _reading(*first.groups(default="")) if first else None
+
+
 def raw_score(answer: str, rule: ParseRule) -> float | None:
     if rule.kind == "boxed":
         return _number(last_boxed(answer), rule.scale)
     if rule.kind == "yesno":
-        words = _VERDICT.findall(answer)
-        return None if not words else float(words[-1].lower() in ("yes", "correct"))
+        return yes_no(answer)
     found = list(re.finditer(rule.regex, answer))
     if not found:
         return None
