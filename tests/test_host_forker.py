@@ -12,7 +12,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from proc_util import alive, wait_gone
+from proc_util import alive, ppid, wait_gone
 
 from pivotrl_hpc.launch import cgroup
 from pivotrl_hpc.runtime import host_forker
@@ -95,3 +95,35 @@ def test_a_host_forked_for_a_capped_worker_joins_its_cap(tiny_models, node):
     finally:
         peer.kill()
         cgroup.remove_job(job, wait_s=5)
+
+
+def test_a_worker_that_leaves_the_forker_and_asks_again_at_once_gets_a_host(tiny_models,
+                                                                            node):
+    """Issue 47: a forker that decided to leave held its name while it tore down (5 s and
+    more), so a worker that ended the forker's last session and asked again at once, or a
+    second worker of the node arriving then, met `ConnectionResetError` and got no engine
+    host. The forker now gives up its name before anything else, and a worker that meets a
+    leaving forker starts a new one."""
+    host = EngineHost(tiny_models / "policy", start=False, name="first")
+    host.preloaded()
+    first = host_forker.server_pid()
+    host.close()
+    host_forker.leave()                  # the forker's last session and host: it leaves
+    again = EngineHost(tiny_models / "policy", start=False, name="again")   # asks at once
+    peer = None
+    try:
+        again.preloaded()
+        second = host_forker.server_pid()
+        assert ppid(again.pid) == second and again.call("preload") < 1.0
+        again.close()
+        host_forker.leave()              # it leaves again; a second worker arrives then
+        peer = _peer(tiny_models)
+        seen = json.loads(peer.stdout.readline() or "{}")
+        assert seen and seen["parent"] == seen["server"], seen
+        peer.communicate("\n", timeout=60)
+        assert peer.returncode == 0
+        assert wait_gone(first, 10) and wait_gone(second, 10) and wait_gone(seen["server"], 10)
+    finally:
+        if peer is not None:
+            peer.kill()
+        again.close()

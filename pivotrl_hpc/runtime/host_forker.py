@@ -19,7 +19,9 @@ six of those eight imports. The forker is one process per node, shared by every 
   fork of an MPI rank) and hands it the bound socket; the others find the address in use and
   connect. Connections queue while it imports; it answers once it has.
 - A worker holds a session (one connection) for its life; the forker leaves when no session
-  is open and every host it forked is gone. While it imports it dies with its starter
+  is open and every host it forked is gone, and closes its listener first, so the name is
+  free at once for a new forker; a session that reached it meanwhile is reset unanswered,
+  and its worker starts a new forker (`server_pid`, issue 47). While it imports it dies with its starter
   (parent death signal). SIGTERM / SIGHUP / SIGINT are ignored (Slurm signals every process
   of the step; the workers decide when hosts stop). The server side is `host_forker_server`.
 - Fork: a request carries the host's end of its pipe to the worker, a status pipe and the
@@ -58,6 +60,7 @@ SESSION, FORK = b"S", b"F"
 CONNECT_TIMEOUT_S = 30.0   # another worker bound the address and is starting the forker
 ORPHAN_S = 120.0           # a forker no session ever reached, its starter alive, leaves
 UNKNOWN_EXIT = 255         # the forker died before it could report a host's exit
+LEAVING_RETRIES = 5        # sessions a leaving forker closed unanswered, before giving up
 _PRIVATE_TOKEN = secrets.token_hex(8)
 
 
@@ -134,10 +137,23 @@ def ensure_running() -> None:
 
 
 def server_pid() -> int:
-    """The forker's pid (waits until it has imported vLLM and answered)."""
-    ensure_running()
-    if _Session.pid is None:
-        _Session.pid = PID.unpack(recv_exact(_Session.sock, PID.size))[0]
+    """The forker's pid (waits until it has imported vLLM and taken this session). A forker
+    that was leaving when the session reached it closes its listener and the session with
+    it, unanswered (issue 47): then this process starts (or finds) a new one. From here on
+    the forker stays while the session is open."""
+    for attempt in range(LEAVING_RETRIES + 1):
+        ensure_running()
+        if _Session.pid is not None:
+            break
+        try:
+            _Session.pid = PID.unpack(recv_exact(_Session.sock, PID.size))[0]
+        except ConnectionError as e:
+            if attempt == LEAVING_RETRIES:
+                raise ConnectionError(f"engine host forker {_Session.name!r} closed the "
+                                      f"session unanswered {attempt + 1} times: {e}") from None
+            log.info("engine host forker %s was leaving (%s): asking a new one",
+                     _Session.name, e)
+            leave()
     return _Session.pid
 
 
@@ -213,7 +229,7 @@ def _start(name: str) -> bool:
 def fork_host(worker_pid: int, name: str, env: dict[str, str], conn_fd: int) -> ForkedHost:
     """Fork an engine host (`engine_host_child.run(conn, worker_pid, name, env)`) from this
     node's forker; `conn_fd` is the host's end of its pipe (the caller closes its copy)."""
-    ensure_running()
+    server_pid()   # a forker that took this session stays until it ends: no reset below
     status_r, status_w = os.pipe()
     try:
         with _connect(_Session.name) as sock:

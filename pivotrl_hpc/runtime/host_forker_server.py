@@ -61,6 +61,7 @@ def serve(listener: socket.socket, starter: int) -> None:
         server.reap()
         if server.idle() and (server.seen or readable(starter)
                               or time.monotonic() - t0 > ORPHAN_S):
+            server.close()
             return
 
 
@@ -74,6 +75,14 @@ class _Server:
 
     def idle(self) -> bool:
         return not self.sessions and not self.children
+
+    def close(self) -> None:
+        """Leaving: give up the name before anything else (the interpreter's teardown after
+        vLLM's import takes seconds, and a name still bound meanwhile let workers queue on a
+        forker that never answers, and kept a new one from starting: issue 47). Connections
+        still queued are reset; their workers start a new forker."""
+        self.sel.unregister(self.listener)
+        self.listener.close()
 
     def accept_all(self) -> None:
         """Every queued connection (a worker that asked while the forker imported is not
