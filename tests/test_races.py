@@ -186,3 +186,47 @@ def _attach(path: Path, wait_s: float):
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.01)
+
+
+def test_a_tp_replica_whose_ranks_reload_across_a_publish_is_reloaded_to_the_newer():
+    """Each rank of a TP replica loads the current version when it reads the Reload; a step
+    published between two ranks' reads splits the replica (v5 on one rank, v6 on the
+    other). The controller records the oldest (what bounds staleness) and reloads the
+    replica to the newer before it steps again. The devices here are a recorder that the
+    test answers: the one way to force that interleaving (no engine runs)."""
+    from types import SimpleNamespace
+
+    from pivotrl_hpc.controller.executor import ReplicaInfo
+    from pivotrl_hpc.controller.shifts import Executor
+    from pivotrl_hpc.runtime.messages import Reload, Reply, RoleKind
+
+    sent = []
+
+    class Recorder:
+        handles = {0: None, 1: None}
+
+        def send(self, devices, cmd, on_done):
+            sent.append((tuple(devices), cmd, on_done))
+
+    def reply(device: int, version: int) -> Reply:
+        r = Reply("Reload", True, RoleKind.ROLLOUT, 0, result={"version": version},
+                  phases={"parameters.load": 0.1})
+        r.device = device
+        return r
+
+    rows = []
+    flow = SimpleNamespace(versions={"r0": 4})
+    ex = Executor(Recorder(), {"rollout": flow}, None, {}, None,
+                  SimpleNamespace(append=lambda table, **row: rows.append((table, row))),
+                  lambda: 0.0, lambda: None)
+    ex.book.replicas["r0"] = ReplicaInfo("rollout", (0, 1))
+    ex.published = 5
+    ex.reload("r0")
+    devices, cmd, done = sent.pop()
+    assert devices == (0, 1) and cmd == Reload(5)
+    done([reply(0, 5), reply(1, 6)])          # rank 1 read after v6 landed
+    assert flow.versions["r0"] == 5 and rows[-1][1]["version"] == 5
+    devices, cmd, done = sent.pop()
+    assert devices == (0, 1) and cmd == Reload(6)
+    done([reply(0, 6), reply(1, 6)])
+    assert flow.versions["r0"] == 6 and not sent

@@ -100,7 +100,7 @@ class TrainBatch:
 class Reload:
     """Refresh a running inference replica's policy weights in place from GPS (after a
     training step was published); running sequences keep going (their KV stays)."""
-    version: int | None = None  # None: the current one
+    version: int | None = None  # this one or a newer live one (issue 47); None: the current
 
 
 @dataclass(frozen=True)
