@@ -6,6 +6,9 @@ job's bytes in /dev/shm (its GPS folder files, by allocated blocks); each the le
 readings a second apart, as a reading taken inside a shift sees a half-built engine. Prints, per process and
 in total, both samples and the ratio late / early, and `within` (every ratio <= 1 + the
 tolerance, 5 %). Progress on stderr.
+
+`--contention N` is another soak: the tiny job under every paradigm, `--runs` times each,
+while N CPU spinners compete (`bench_contention`: races show under load).
 """
 from __future__ import annotations
 
@@ -22,11 +25,21 @@ log = logging.getLogger(__name__)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", default="configs/tiny-cpu.yaml")
-    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--config", default=None,
+                   help="configs/tiny-cpu.yaml (with --contention: configs/learn-cpu.yaml)")
+    p.add_argument("--steps", type=int, default=None, help="200 (with --contention: 2)")
     p.add_argument("--early", type=int, default=20, help="the step of the first sample")
     p.add_argument("--tolerance", type=float, default=0.05)
     p.add_argument("--out", default=".run/bench-soak", help="trace and logs of the run")
+    p.add_argument("--contention", type=int, default=None, metavar="N",
+                   help="instead: each paradigm's tiny job --runs times beside N CPU spinners")
+    p.add_argument("--runs", type=int, default=10, help="with --contention: runs per paradigm")
+    p.add_argument("--paradigms", default="colocated,disaggregated,rr_colocated,shiftable",
+                   help="with --contention: comma-separated")
+    p.add_argument("--models", default=".run/models",
+                   help="with --contention: the folder of `pivotrl init-models`")
+    p.add_argument("--timeout", type=float, default=900.0,
+                   help="with --contention: seconds a run may take")
     p.add_argument("overrides", nargs="*", help="dotted overrides")
 
 
@@ -103,6 +116,11 @@ def compare(early: dict, late: dict, tolerance: float) -> dict:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.contention is not None:
+        from pivotrl_hpc.cli.bench_contention import main as contention
+        return contention(args)
+    args.config = args.config or "configs/tiny-cpu.yaml"
+    args.steps = args.steps or 200
     if not 0 < args.early < args.steps:
         print("pivotrl bench soak: need 0 < --early < --steps", file=sys.stderr)
         return 2
