@@ -2,9 +2,11 @@
 # Slurm Epilog for PivotRL (slurm.conf: Epilog=/path/to/pivotrl/slurm/epilog.sh).
 # Runs as root on every node of a job once the job has ended. It removes what only a
 # SIGKILLed rank can leave behind (an orderly stop leaves nothing):
-#   - /dev/shm/pivotrl-u<uid>/pivotrl-<job id>-*: GPS segments, control block and staging
-#     files, in the job user's own 0700 folder. Only files that user owns are removed, and
-#     the folder once it is empty and no live agent of the user's other jobs holds it.
+#   - /dev/shm/pivotrl-u<uid>-<suffix>/pivotrl-<job id>-* (or /run/user/<uid>/pivotrl/...):
+#     GPS segments, control block and staging files, in the job user's own 0700 folder
+#     (found by its owner: the suffix is private to the user). Only files that user owns
+#     are removed, and the folder once it is empty and no live agent of the user's other
+#     jobs holds it.
 #   - pivotrl-<job id> CPU cgroups (CPU-emulated devices only).
 # Slurm gives the Epilog SLURM_JOB_ID and SLURM_JOB_UID. PIVOTRL_SHM_DIR moves the shm folder.
 # The shm part is pivotrl_hpc/gps/epilog.py (standard library only, the system Python): it

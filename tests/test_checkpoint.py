@@ -155,7 +155,7 @@ def test_resume_on_modeled_workers_trains_the_same_data_in_the_same_order(tmp_pa
     assert state["step"] == 4 and state["version"] == 4
     assert (ckpt / "policy" / "version").read_text() == "4\n"
     assert sorted(p.name for p in (ckpt / "optim").iterdir()) == [
-        f"rank-{r:03d}.pt" for r in range(4)]
+        f"rank-{r:03d}.safetensors" for r in range(4)]
     # samples of steps 4 and 5 (k = 1) that were not trained yet travel in the checkpoint
     assert state["samples"] and {s["batch"] for s in state["samples"]} <= {4, 5}
     resumed, summary, got = _run(tmp_path, "resumed", resume_from=ckpt, version=4)

@@ -326,6 +326,12 @@ print("SAME", all(torch.equal(after[n], before[n]) for n in before), c.state("po
 """
 
 
+def _shm_root() -> dict:
+    """PIVOTRL_SHM_DIR for the epilog when the test runs with one (an isolated shm root: the
+    folder is shared by every process of the user, and one held by another is not removed)."""
+    return {k: os.environ[k] for k in ("PIVOTRL_SHM_DIR",) if k in os.environ}
+
+
 def test_the_slurm_epilog_removes_what_a_killed_job_left(other_user):
     from slurm_util import ROOT
 
@@ -339,7 +345,7 @@ def test_the_slurm_epilog_removes_what_a_killed_job_left(other_user):
     try:
         p = subprocess.run([str(ROOT / "slurm" / "epilog.sh")], capture_output=True, text=True,
                            env={"PATH": os.environ["PATH"], "SLURM_JOB_ID": job,
-                                "SLURM_JOB_UID": str(os.getuid())}, timeout=30)
+                                "SLURM_JOB_UID": str(os.getuid()), **_shm_root()}, timeout=30)
         assert p.returncode == 0, p.stderr
         assert not any(q.exists() for q in left)
         assert theirs.exists() and other_job.exists()        # not the job's user, not the job
@@ -349,7 +355,7 @@ def test_the_slurm_epilog_removes_what_a_killed_job_left(other_user):
         other_job.unlink()
         p = subprocess.run([str(ROOT / "slurm" / "epilog.sh")], capture_output=True, text=True,
                            env={"PATH": os.environ["PATH"], "SLURM_JOB_ID": job,
-                                "SLURM_JOB_UID": str(os.getuid())}, timeout=30)
+                                "SLURM_JOB_UID": str(os.getuid()), **_shm_root()}, timeout=30)
         assert p.returncode == 0 and not SHM_DIR.exists(), p.stderr   # empty: removed
     finally:
         for q in [*left, theirs, other_job]:

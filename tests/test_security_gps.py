@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from pivotrl_hpc.gps import control
+from pivotrl_hpc.gps import control, shmdir
 from pivotrl_hpc.gps.agent import control_path, socket_address
 from pivotrl_hpc.gps.client import GPSClient
 from pivotrl_hpc.gps.control import GPSUnavailable
@@ -245,7 +245,7 @@ def test_n4_a_name_already_bound_is_one_line_naming_its_owner_exit_2(tiny_models
         assert len(lines) == 1, err[-2000:]
         assert f"@{name} is already bound by pid {squatter.pid}, uid {NOBODY} (nobody)" in \
             lines[0], lines
-        assert not list(Path("/dev/shm").glob(f"pivotrl-u0/pivotrl-{job}-*"))
+        assert not list(shmdir.SHM_DIR.glob(f"pivotrl-{job}-*"))
     finally:
         squatter.kill()
         squatter.wait()
@@ -297,29 +297,43 @@ def test_the_epilog_creates_nothing_through_a_folder_swapped_for_a_symlink(tmp_p
 
 
 # ---- a per-user folder squatted by another account --------------------------------------------
-def test_a_squatted_user_folder_is_one_line_naming_the_owner_and_nothing_in_it_is_swept(
-        tiny_models):
+def test_a_squatted_folder_name_neither_stops_gps_serve_nor_is_used(tiny_models):
+    """Issue 46: `nobody` made the folder names a GPS folder had (`pivotrl-u0`, and one with
+    a suffix), with a control file naming a live pid inside: the agent's folder carries a
+    suffix private to root, so `gps serve` starts and serves in its own folder, and nothing
+    planted is touched (the old fixed name made it exit 2 for good)."""
     shm = _shared_root()
     try:
         job = f"sqf{os.getpid()}"
-        mine = shm / "pivotrl-u0"
-        planted = mine / f"pivotrl-{job}-n0-ctl"
-        # a 0700 folder of nobody, with a control file naming a live pid (1) inside it
-        plant = ("import os, struct, sys; os.mkdir(sys.argv[1], 0o700); "
-                 "open(sys.argv[2], 'wb').write(struct.pack('<QQQQQ', int(sys.argv[3]), 1, 1, 0,"
-                 " 0) + bytes(4096 - 40))")
-        p = _as_nobody(plant, str(mine), str(planted), str(control.MAGIC))
+        planted = []
+        plant = ("import os, struct, sys\nfor d, f in zip(sys.argv[2::2], sys.argv[3::2]):\n"
+                 "    os.mkdir(d, 0o700); open(f, 'wb').write(struct.pack('<QQQQQ', "
+                 "int(sys.argv[1]), 1, 1, 0, 0) + bytes(4096 - 40))")
+        for name in ("pivotrl-u0", "pivotrl-u0-0000000000000000"):
+            planted += [str(shm / name), str(shm / name / f"pivotrl-{job}-n0-ctl")]
+        p = _as_nobody(plant, str(control.MAGIC), *planted)
         assert p.wait(30) == 0, p.stderr.read()
-        before = planted.read_bytes()
-        agent = _serve(tiny_models, job, {"PIVOTRL_SHM_DIR": str(shm)}, "-m",
-                       "pivotrl_hpc.cli.main")
-        err = agent.stderr.read()
-        assert agent.wait(120) == 2, err[-2000:]
-        assert "Traceback" not in err, err[-2000:]
-        lines = [x for x in err.splitlines() if x.startswith("pivotrl gps serve:")]
-        assert len(lines) == 1, err[-2000:]
-        assert f"{mine} is a folder of uid {NOBODY} (nobody) with mode 700" in lines[0]
-        assert "an administrator must remove it" in lines[0] and "PIVOTRL_SHM_DIR" in lines[0]
-        assert sorted(os.listdir(mine)) == [planted.name] and planted.read_bytes() == before
+        before = [Path(f).read_bytes() for f in planted[1::2]]
+        env = {"PIVOTRL_SHM_DIR": str(shm)}
+        agent = _serve(tiny_models, job, env, "-m", "pivotrl_hpc.cli.main")
+        try:
+            probe = ("import sys, time; from pivotrl_hpc.gps.client import GPSClient; "
+                     "from pivotrl_hpc.gps import shmdir; c = GPSClient(sys.argv[1], 'n0', "
+                     "wait_s=120); print(shmdir.SHM_DIR, c.info()['node'], "
+                     "c.state('policy').current, flush=True); c.shutdown_agent(); c.close()")
+            out = subprocess.run([sys.executable, "-c", probe, job], capture_output=True,
+                                 text=True, env={**os.environ, **env}, timeout=300)
+            assert out.returncode == 0, out.stderr[-2000:]
+            folder, node, current = out.stdout.split()
+            assert (node, current) == ("n0", "0")
+            assert Path(folder).parent == shm and Path(folder).name.startswith("pivotrl-u0-")
+            assert Path(folder).name != "pivotrl-u0-0000000000000000"
+            assert agent.wait(60) == 0, agent.stderr.read()[-2000:]
+        finally:
+            agent.kill()
+            agent.wait()
+        assert [Path(f).read_bytes() for f in planted[1::2]] == before
+        for d, f in zip(planted[::2], planted[1::2]):
+            assert os.listdir(d) == [Path(f).name] and os.lstat(d).st_uid == NOBODY
     finally:
         shutil.rmtree(shm, ignore_errors=True)

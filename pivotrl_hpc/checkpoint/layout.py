@@ -5,8 +5,8 @@
         step-000004/              one checkpoint: the policy after 4 trained steps
             policy/               HuggingFace folder (config, tokenizer, model.safetensors),
                                   what `pivotrl export` copies and vLLM / transformers load
-            optim/rank-000.pt     per training rank: Megatron optimizer state (fp32 main
-                                  params, Adam moments), RNG states, steps done
+            optim/rank-000.safetensors  per training rank: Megatron optimizer state (fp32
+                                  main params, Adam moments), RNG states, steps done
             state.json            the controller: data cursor, RNG, policy version, samples
                                   in flight, fitted throughput constants, tau_shift
             COMPLETE              written last, after every file above is fsynced
@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -55,19 +57,36 @@ def name(step: int) -> str:
     return f"step-{step:06d}"
 
 
+_NAME = re.compile(r"step-([0-9]{6,12})")   # what `name` writes, ASCII digits only
+
+
 def step_of(path: Path) -> int:
-    return int(path.name.removeprefix("step-"))
+    m = _NAME.fullmatch(path.name)
+    if m is None:
+        raise CheckpointError(f"{path}: not a checkpoint name (step-NNNNNN)")
+    return int(m.group(1))
 
 
 def is_whole(path: Path) -> bool:
     return (path / MARK).is_file() and (path / STATE).is_file() and (path / POLICY).is_dir()
 
 
+def _own_folder(path: Path) -> bool:
+    """A real folder (not a link) of this user: what a job of this user wrote."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid()
+
+
 def whole(root: Path) -> list[Path]:
-    """Whole checkpoints under `root`, oldest first."""
+    """Whole checkpoints under `root`, oldest first: folders of this user named as `name`
+    names them (a link, another account's folder or another name is not one: issue 46)."""
     if not root.is_dir():
         return []
-    found = [p for p in root.glob("step-*") if p.name[5:].isdigit() and is_whole(p)]
+    found = [p for p in root.iterdir() if _NAME.fullmatch(p.name) and _own_folder(p)
+             and is_whole(p)]
     return sorted(found, key=step_of)
 
 
@@ -79,14 +98,18 @@ def latest(root: Path) -> Path | None:
 def staging(root: Path, step: int) -> Path:
     """A fresh folder to write checkpoint `step` into (an older attempt's leftovers go)."""
     tmp = root / f".{name(step)}.tmp"
-    if tmp.exists():
+    if tmp.is_symlink():
+        tmp.unlink()
+    elif tmp.exists():
         shutil.rmtree(tmp)
-    (tmp / OPTIM).mkdir(parents=True)
+    root.mkdir(mode=0o755, parents=True, exist_ok=True)   # never group-writable (issue 46)
+    tmp.mkdir(mode=0o755)
+    (tmp / OPTIM).mkdir(mode=0o755)
     return tmp
 
 
 def optim_file(folder: Path, train_rank: int) -> Path:
-    return Path(folder) / OPTIM / f"rank-{train_rank:03d}.pt"
+    return Path(folder) / OPTIM / f"rank-{train_rank:03d}.safetensors"
 
 
 def write_state(folder: Path, state: dict[str, Any]) -> None:
@@ -101,6 +124,11 @@ def read_state(folder: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path}: unreadable checkpoint state ({e})") from e
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise CheckpointError(f"{path}: not a {FORMAT} state file")
+    for key in ("step", "version"):   # they name files and folders later: numbers only
+        if type(state.get(key)) is not int or state[key] < 0:
+            raise CheckpointError(f"{path}: {key} is {state.get(key)!r}, not a count")
+    if not isinstance(state.get("fixed", {}), dict):
+        raise CheckpointError(f"{path}: 'fixed' is not a mapping")
     return state
 
 

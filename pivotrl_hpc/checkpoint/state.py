@@ -130,10 +130,14 @@ def fixed_values(cfg) -> dict[str, Any]:
 
 def prepare(cfg) -> dict[str, Any] | None:
     """Where the job starts, checked before any rank does work: None (afresh) or the
-    checkpoint's folder, step and policy version. Raises CheckpointError. The partial
+    checkpoint's folder, step and policy version. Raises CheckpointError (RunFolderError for
+    a run folder another account could write into: issue 46). The partial
     checkpoints an earlier start of the run left (killed while writing one) go first."""
+    from pivotrl_hpc.checkpoint.folders import check_run
     from pivotrl_hpc.checkpoint.layout import clean_partial, read_state, resolve, root_for
 
+    # nothing is read from (or removed in) a run folder another account could write into
+    check_run(cfg.trace.path, getattr(cfg.trace, "group_shared", False))
     for tmp in clean_partial(root_for(cfg.trace.path)):
         log.warning("removed %s, a checkpoint an earlier start left half written", tmp)
     path = resolve(cfg.resume, cfg.trace.path)

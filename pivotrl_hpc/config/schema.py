@@ -250,6 +250,9 @@ class TraceConfig:
     log_interval_s: float = 5.0   # one progress line per interval
     # also write each RL step's metrics as TensorBoard scalars, in <trace>.tensorboard/
     tensorboard: bool = False
+    # the run folder (the trace's, its .logs and .checkpoints) may be group-writable: an
+    # explicit opt-in for a folder a group shares on purpose (docs/security.md, issue 46)
+    group_shared: bool = False
 
 
 @dataclass

@@ -162,11 +162,14 @@ def _checkpoints(cfg: Config, check_files: bool) -> None:
         raise ConfigError("rl.preempt_grace_s", f"{rl.preempt_grace_s} must be >= 0 (seconds; "
                           "0: a stop signal stops at once)")
     if check_files:   # the checkpoint the job would start from, checked as the ranks will
+        from pivotrl_hpc.checkpoint.folders import RunFolderError
         from pivotrl_hpc.checkpoint.layout import CheckpointError
         from pivotrl_hpc.checkpoint.state import prepare
 
         try:
             prepare(cfg)
+        except RunFolderError as e:   # the run folder itself (issue 46), before any resume
+            raise ConfigError("trace.path", str(e)) from None
         except CheckpointError as e:
             raise ConfigError("resume", str(e)) from None
 

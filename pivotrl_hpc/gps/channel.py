@@ -4,7 +4,8 @@ The listener must be the job's user and the agent the control file names (SO_PEE
 pid; the pid still the agent's own process by its pidfd and start time, control.AgentWatch).
 Every request has a deadline (`request_s`, PIVOTRL_GPS_REQUEST_S) and, while it waits, the
 agent is checked every _SLICE_S: a dead, zombie or stopped agent, a lost connection or a missed
-deadline is a GPSUnavailable naming the cause. Requests are answered in order; `replicated` and
+deadline is a GPSUnavailable naming the cause (a stopped agent after STOPPED_S; a full listen
+backlog is retried until the deadline). Requests are answered in order; `replicated` and
 `write_failed` notices of Writes arrive unasked and are kept until their handle asks.
 """
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pivotrl_hpc.gps.handles import NOTICES
 
 REQUEST_S = float(os.environ.get("PIVOTRL_GPS_REQUEST_S", 30.0))
 _SLICE_S = 0.05   # how often a waiting request checks that the agent still lives
+STOPPED_S = 5.0   # an agent stopped this long fails the requests waiting on it
 
 
 class AgentChannel:
@@ -29,25 +31,61 @@ class AgentChannel:
         self.job, self.node, self.ctl, self.request_s = job, node, ctl, request_s
         self._sock: socket.socket | None = None
         self._buf = b""
+        self._stopped_since: float | None = None
         self.notices: dict[tuple[str, int], dict] = {}   # (model, version) -> replicated
 
     def connect(self) -> socket.socket:
         if self._sock is None:
             self.ctl.check_agent()
-            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                s.settimeout(self.request_s)
-                s.connect(socket_address(self.job, self.node, self.ctl.token))
-                self._authenticate(s)
-            except GPSUnavailable:
-                s.close()
-                raise
-            except OSError as e:
-                s.close()
-                raise self._unavailable(f"cannot connect: {type(e).__name__}: {e}") from None
+            s = self._connect(time.monotonic() + self.request_s)
             self._sock, self._buf = s, b""
             self.request({"op": "hello", "token": self.ctl.token}, "hello")
         return self._sock
+
+    def _connect(self, deadline: float) -> socket.socket:
+        """A connection to the agent. A full listen backlog (EAGAIN: a unix socket does not
+        queue a non-blocking connect) is retried until `deadline` while the agent lives and
+        runs: other processes churning connections must not fail the job's (issue 46)."""
+        pause = 0.001
+        while True:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                s.settimeout(max(deadline - time.monotonic(), 0.01))
+                s.connect(socket_address(self.job, self.node, self.ctl.token))
+                self._authenticate(s)
+                return s
+            except GPSUnavailable:
+                s.close()
+                raise
+            except BlockingIOError as e:   # EAGAIN: the backlog is full for now
+                s.close()
+                if time.monotonic() > deadline:
+                    raise self._unavailable(f"cannot connect: the agent's listen backlog "
+                                            f"stayed full for {self.request_s:.0f} s "
+                                            f"({e})") from None
+                self.check_running()
+                time.sleep(pause)
+                pause = min(pause * 2, _SLICE_S)
+            except OSError as e:
+                s.close()
+                raise self._unavailable(f"cannot connect: {type(e).__name__}: {e}") from None
+
+    def check_running(self) -> None:
+        """`ctl.check_agent` (alive), and not stopped (SIGSTOP, a debugger) for over
+        STOPPED_S: a stopped agent answers nothing, and a request would otherwise hold its
+        caller for the whole deadline (issue 46)."""
+        self.ctl.check_agent()
+        state = control.process_state(self.ctl.agent_pid)
+        if state[:1] not in ("T", "t"):
+            self._stopped_since = None
+            return
+        now = time.monotonic()
+        if self._stopped_since is None:
+            self._stopped_since = now
+        elif now - self._stopped_since > STOPPED_S:
+            raise GPSUnavailable(f"the GPS agent of {self.job} on {self.node} (pid "
+                                 f"{self.ctl.agent_pid}) is {state} for over {STOPPED_S:.0f} "
+                                 "s: it cannot answer (SIGCONT it, or stop the job)")
 
     def _authenticate(self, s: socket.socket) -> None:
         """The listener must be the job's user and the agent the control file names."""
@@ -84,7 +122,7 @@ class AgentChannel:
                 data = sock.recv(1 << 16)
             except (socket.timeout, BlockingIOError):
                 try:
-                    self.ctl.check_agent()
+                    self.check_running()
                 except GPSUnavailable as e:
                     raise self._unavailable(str(e)) from None
                 continue

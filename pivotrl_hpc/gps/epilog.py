@@ -1,12 +1,12 @@
 """The Slurm epilog's shm cleanup: `slurm/epilog.sh` runs this file as root with the system
 Python (`python3 -I epilog.py JOB UID`), so it imports the standard library only.
 
-The job's user owns the folder `<PIVOTRL_SHM_DIR or /dev/shm>/pivotrl-u<uid>` and can rename
-it or swap it for a symlink at any moment (RENAME_EXCHANGE), so root never uses a path into
-it twice (issue 35): the folder is opened once, O_DIRECTORY | O_NOFOLLOW, its owner checked on
-the descriptor, and everything after goes through that descriptor: listing, the owner check
-of each entry (never following a link), unlinkat, and the flock that says no live agent of
-the user's other jobs holds it. Nothing is ever created (the old `flock FILE` opened with
+The job's user owns the folder `<PIVOTRL_SHM_DIR or /dev/shm>/pivotrl-u<uid>-<suffix>` (or
+`/run/user/<uid>/pivotrl`; gps/shmdir.py) and can rename it or swap it for a symlink at any
+moment (RENAME_EXCHANGE), so root never uses a path into it twice (issue 35): the folder is
+opened once, O_DIRECTORY | O_NOFOLLOW, its owner checked on the descriptor, and everything
+after goes through that descriptor: listing, the owner check of each entry (never following
+a link), unlinkat, and the flock that says no live agent of the user's other jobs holds it. Nothing is ever created (the old `flock FILE` opened with
 O_CREAT after a `-L` check, and a swap made root create a file wherever a symlink pointed).
 The folder itself is removed by name from the shm root only if that name still is the
 folder that was locked; the sticky shm root lets the user put nothing else there.
@@ -15,32 +15,59 @@ from __future__ import annotations
 
 import fcntl
 import os
+import re
 import stat
 import sys
 
 
 def clean(root: str, uid: int, job: str) -> list[str]:
-    """Remove the job's files in the user's folder (owned by the user, regular files or
-    symlinks), then the folder if it is empty and unheld; the removed paths."""
-    name = f"pivotrl-u{uid}"
+    """Remove the job's files in the user's GPS folders under `root` (owned by the user,
+    regular files or symlinks), then each folder if it is empty and unheld; the removed paths.
+    The folder's name carries a suffix private to the user (gps/shmdir.py, issue 46), so the
+    folders are found by name pattern and owner: `pivotrl-u<uid>-<16 hex>` (and the
+    `pivotrl-u<uid>` of versions before it)."""
     try:
         top = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
     except OSError:
         return []
+    removed = []
     try:
-        try:
-            fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=top)
-        except OSError:   # missing, a symlink (ELOOP) or not a folder (ENOTDIR): not touched
+        pattern = re.compile(rf"pivotrl-u{uid}(-[0-9a-f]{{16}})?")
+        for name in sorted(n for n in os.listdir(top) if pattern.fullmatch(n)):
+            removed += [os.path.join(root, name, n) for n in _clean_folder(top, name, uid, job)]
+    finally:
+        os.close(top)
+    return removed
+
+
+def _clean_folder(top: int, name: str, uid: int, job: str) -> list[str]:
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=top)
+    except OSError:   # gone, a symlink (ELOOP) or not a folder (ENOTDIR): not touched
+        return []
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != uid:
+            return []   # not the job user's folder
+        removed = _remove_job_files(fd, uid, f"pivotrl-{job}-")
+        _remove_folder(top, name, fd, st)
+        return removed
+    finally:
+        os.close(fd)
+
+
+def run_user_clean(uid: int, job: str) -> list[str]:
+    """The folder `/run/user/<uid>/pivotrl`, where the system gives the user one (shmdir);
+    /run/user/<uid> is the user's, so it is opened by descriptor and its owner checked."""
+    try:
+        top = os.open(f"/run/user/{uid}", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        return []
+    try:
+        if os.fstat(top).st_uid != uid:
             return []
-        try:
-            st = os.fstat(fd)
-            if st.st_uid != uid:
-                return []   # not the job user's folder
-            removed = _remove_job_files(fd, uid, f"pivotrl-{job}-")
-            _remove_folder(top, name, fd, st)
-            return [os.path.join(root, name, n) for n in removed]
-        finally:
-            os.close(fd)
+        return [os.path.join(f"/run/user/{uid}/pivotrl", n)
+                for n in _clean_folder(top, "pivotrl", uid, job)]
     finally:
         os.close(top)
 
@@ -75,7 +102,11 @@ def main(argv: list[str]) -> int:
     job, uid = argv
     if not uid.isdigit() or not job or not all(c.isalnum() or c in "_." for c in job):
         return 0   # never a name from odd input
-    for path in clean(os.environ.get("PIVOTRL_SHM_DIR") or "/dev/shm", int(uid), job):
+    shm = os.environ.get("PIVOTRL_SHM_DIR")
+    found = clean(shm or "/dev/shm", int(uid), job)
+    if not shm:
+        found += run_user_clean(int(uid), job)
+    for path in found:
         print(path)
     return 0
 

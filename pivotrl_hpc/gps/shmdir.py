@@ -1,9 +1,21 @@
-"""Where GPS files live: a 0700 folder of this user in the shm file system (issue 11.2).
+"""Where GPS files live: a 0700 folder of this user in a shm file system (issues 11.2, 46).
 
-`<PIVOTRL_SHM_DIR or /dev/shm>/pivotrl-u<uid>/`: segments, control blocks and staging files
-of every job of this user, named `pivotrl-<job>-<node>-...` inside. No other account can
-create, rename or read anything there, so a name another user guessed cannot be planted; the
-agent creates the folder and refuses one that is not a 0700 folder of its own user (a
+Segments, control blocks and staging files of every job of this user sit in one folder,
+named `pivotrl-<job>-<node>-...` inside. No other account can create, rename or read
+anything there, so a name another user guessed cannot be planted. The folder's own name must
+not be one another account can take first either (issue 46: `nobody` made
+`/dev/shm/pivotrl-u0` and root's `gps serve` exited 2 for good), so it is, in order:
+
+1. `PIVOTRL_GPS_DIR`: the folder the launcher chose, published to every rank of the job;
+2. `/run/user/<uid>/pivotrl` where the system gives the user `/run/user/<uid>` (a 0700 tmpfs
+   folder only the user can write into) and PIVOTRL_SHM_DIR does not say otherwise;
+3. `<PIVOTRL_SHM_DIR or /dev/shm>/pivotrl-u<uid>-<suffix>`, the suffix 16 random hex digits
+   made once per user and kept in a 0600 file of the user's own
+   (`$XDG_STATE_HOME or ~/.local/state`/pivotrl/gps-folder): every process of the user, the
+   agent, its clients and the launcher's sweep, finds the same folder, and no other account
+   can know its name. The Slurm epilog finds it by its owner (gps/epilog.py).
+
+The agent creates the folder and refuses one that is not a 0700 folder of its own user (a
 symlink, or a folder planted under that name by someone else). Torch-free: the launcher's
 cleanup imports it.
 
@@ -15,19 +27,20 @@ the folder is being removed finds the folder it locked unlinked and makes it aga
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import pwd
+import re
+import secrets
 import stat
 from pathlib import Path
 
-ROOT = Path(os.environ.get("PIVOTRL_SHM_DIR", "/dev/shm"))
+log = logging.getLogger(__name__)
 
-
-def user_dir(uid: int | None = None) -> Path:
-    return ROOT / f"pivotrl-u{os.getuid() if uid is None else uid}"
-
-
-SHM_DIR = user_dir()
+RUN_USER = Path("/run/user")
+FOLDER_ENV = "PIVOTRL_GPS_DIR"   # the folder, as the launcher publishes it to the job
+SUFFIX = re.compile(r"[0-9a-f]{16}")
+_JOB = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.]{0,63}")   # launch.layout.job_id's alphabet
 
 
 class GPSMemoryError(MemoryError):
@@ -37,6 +50,70 @@ class GPSMemoryError(MemoryError):
 class FolderRefused(PermissionError):
     """The user's GPS folder is not a 0700 folder of this user (squatted or planted)."""
     exit_code = 2   # a refusal, not a crash: the launchers end the job with 2 (launch/entry.py)
+
+
+def _run_user_dir(uid: int) -> Path | None:
+    """/run/user/<uid> if it is a real 0700 folder of `uid`."""
+    path = RUN_USER / str(uid)
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    ok = stat.S_ISDIR(st.st_mode) and st.st_uid == uid and not st.st_mode & 0o077
+    return path if ok else None
+
+
+def _suffix_file() -> Path:
+    state = os.environ.get("XDG_STATE_HOME") or os.path.join(
+        os.path.expanduser("~"), ".local", "state")
+    return Path(state) / "pivotrl" / "gps-folder"
+
+
+def user_suffix() -> str:
+    """This user's folder suffix: read from its 0600 file, made on first use."""
+    path = _suffix_file()
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+    for _ in range(2):
+        try:
+            fd = os.open(path, flags)
+        except FileNotFoundError:
+            os.makedirs(path.parent, mode=0o700, exist_ok=True)
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            except FileExistsError:
+                continue   # another process made it first: read theirs
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_hex(8) + "\n")
+            continue
+        with os.fdopen(fd) as f:
+            st = os.fstat(f.fileno())
+            text = f.read(64).strip()
+        if st.st_uid != os.getuid() or st.st_mode & 0o077 or not SUFFIX.fullmatch(text):
+            raise FolderRefused(f"{path} is not a 0600 file of uid {os.getuid()} holding 16 "
+                                "hex digits: remove it (it is made again)")
+        return text
+    raise FolderRefused(f"{path} could not be made")
+
+
+def _locate() -> tuple[Path, Path]:
+    """(the shm file system's folder the GPS folder sits in, the GPS folder)."""
+    uid = os.getuid()
+    if os.environ.get(FOLDER_ENV):
+        folder = Path(os.environ[FOLDER_ENV])
+        return folder.parent, folder
+    if not os.environ.get("PIVOTRL_SHM_DIR") and (run := _run_user_dir(uid)) is not None:
+        return run, run / "pivotrl"
+    root = Path(os.environ.get("PIVOTRL_SHM_DIR", "/dev/shm"))
+    try:
+        suffix = user_suffix()
+    except (OSError, FolderRefused) as e:   # no home to keep it in: this process's own
+        log.warning("GPS folder suffix not kept (%s); set PIVOTRL_GPS_DIR so that every "
+                    "process of a job finds one folder", e)
+        suffix = secrets.token_hex(8)
+    return root, root / f"pivotrl-u{uid}-{suffix}"
+
+
+ROOT, SHM_DIR = _locate()
 
 
 def check(path: Path = SHM_DIR) -> Path:
@@ -102,6 +179,10 @@ def reserve_file(fd: int, path: Path, offset: int, length: int) -> None:
 
 
 def job_files(job: str) -> list[Path]:
+    """The files of `job` in the folder; a job id is checked before it makes a pattern
+    (issue 46: a marker holding `*` swept every job's files)."""
+    if not _JOB.fullmatch(job):
+        raise ValueError(f"{job!r} is not a job id")
     return sorted(SHM_DIR.glob(f"pivotrl-{job}-*"))
 
 

@@ -269,7 +269,8 @@ class RunPaths:
         if not old:
             return None
         starts = sorted((int(d.name[6:]), d) for d in self.logs.glob("start-*")
-                        if d.is_dir() and d.name[6:].isdigit())
+                        if re.fullmatch(r"start-[0-9]{1,9}", d.name) and d.is_dir()
+                        and not d.is_symlink())
         dest = self.logs / f"start-{starts[-1][0] + 1 if starts else 1}"
         dest.mkdir()
         for p in old:

@@ -34,6 +34,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pivotrl_hpc.checkpoint.folders import RunFolderError, check_run, write_text
 from pivotrl_hpc.config import to_dict
 from pivotrl_hpc.config.validate import check_cpu_shares
 from pivotrl_hpc.engines import ports
@@ -42,14 +43,14 @@ from pivotrl_hpc.launch import cgroup
 from pivotrl_hpc.launch.diagnose import diagnose as diagnose_ranks, job_exit_code
 from pivotrl_hpc.config.paradigm import normalize
 from pivotrl_hpc.launch.layout import LaunchError, RankLayout, RunPaths, job_ports
-from pivotrl_hpc.launch.resume import stop_grace
+from pivotrl_hpc.launch.resume import MARKER, previous_job, stop_grace
 
 log = logging.getLogger(__name__)
 
 SIGKILL_TIMEOUT_S = 5   # mpirun's SIGTERM -> SIGKILL delay when it aborts a job
 FORWARDED_ENV = ("PIVOTRL_CONTROLLER", "PIVOTRL_LOG_LEVEL", "PIVOTRL_STOP_GRACE_S",
-                 "PIVOTRL_SHUTDOWN_TIMEOUT_S", "PIVOTRL_SHM_DIR", cgroup.ROOT_ENV,
-                 "PYTHONPATH", "VLLM_LOGGING_LEVEL")
+                 "PIVOTRL_SHUTDOWN_TIMEOUT_S", "PIVOTRL_SHM_DIR", shmdir.FOLDER_ENV,
+                 cgroup.ROOT_ENV, "PYTHONPATH", "VLLM_LOGGING_LEVEL")
 _RANK_LINE = re.compile(r" r(\d+) \S+ (agent|worker)")
 
 
@@ -89,6 +90,7 @@ def prepare(cfg, *, cpu_cap: bool = True, cores: int | None = None,
            "UCX_MODULES": os.environ.get("UCX_MODULES", "^ib,rdmacm"),
            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     env.update({k: os.environ[k] for k in FORWARDED_ENV if k in os.environ})
+    env[shmdir.FOLDER_ENV] = str(shmdir.SHM_DIR)   # every rank, this launcher's sweep: one folder
     if not cpu_cap:
         env[cgroup.OPT_OUT_ENV] = "off"
     if cgroup.caps_enabled(cfg, env):
@@ -103,7 +105,16 @@ def resolved_config(cfg, trace: Path) -> tuple[dict, RunPaths]:
     next to that trace."""
     config = to_dict(cfg)
     config["trace"]["path"] = str(trace.resolve())
-    return config, RunPaths(Path(config["trace"]["path"]))
+    paths = RunPaths(Path(config["trace"]["path"]))
+    try:   # before any work: a folder another account could plant in (issue 46)
+        check_run(paths.trace, group_shared(config))
+    except RunFolderError as e:
+        raise LaunchError(f"run folder: {e}") from None
+    return config, paths
+
+
+def group_shared(config: dict) -> bool:
+    return bool(config.get("trace", {}).get("group_shared", False))
 
 
 def mpirun_command(mpirun: str, layout: RankLayout, config_json: Path,
@@ -128,11 +139,16 @@ def free_port_base(count: int) -> int:
 def write_files(run: PreparedRun) -> None:
     """The resolved config and a run folder of this start's files only (an earlier start's
     logs moved to logs/start-K/, its summary removed)."""
-    run.paths.logs.mkdir(parents=True, exist_ok=True)
+    shared = group_shared(run.config)
+    try:   # made (0755) and checked level by level without following links (issue 46)
+        check_run(run.paths.trace, shared, create=True)
+    except RunFolderError as e:
+        raise LaunchError(f"run folder: {e}") from None
     sweep_killed_job(run)
     run.paths.keep_previous_logs()
     run.paths.summary_json.unlink(missing_ok=True)
-    run.paths.config_json.write_text(json.dumps(run.config, indent=1) + "\n")
+    write_text(run.paths.trace.parent, run.paths.config_json.name,
+               json.dumps(run.config, indent=1) + "\n", shared)
 
 
 def preempt_grace(run: PreparedRun) -> float:
@@ -281,8 +297,8 @@ def sweep_killed_job(run: PreparedRun) -> None:
     """The run folder's previous job, if every one of its ranks was killed (SIGKILL leaves
     no one to clean), left its GPS segments: remove them before this job starts. A previous
     job still running in this folder is refused."""
-    marker = run.paths.logs / "job"
-    old = marker.read_text().strip() if marker.is_file() else ""
+    shared = group_shared(run.config)
+    old = previous_job(run.paths.logs, shared)
     if old and old != run.job:
         alive = _live_ranks(sorted(run.paths.logs.glob("rank-*.pid")))
         if alive:
@@ -293,7 +309,7 @@ def sweep_killed_job(run: PreparedRun) -> None:
         cgroup.remove_job(old, wait_s=1.0)
         if removed:
             log.warning("removed %d GPS segment(s) the killed job %s left", len(removed), old)
-    marker.write_text(f"{run.job}\n")
+    write_text(run.paths.logs, MARKER, f"{run.job}\n", shared, own=2)
 
 
 def rank_pids(run: PreparedRun) -> list[int]:
@@ -305,6 +321,8 @@ def _live_ranks(pid_files: list[Path]) -> list[int]:
     pids = []
     for f in pid_files:
         try:
+            if f.lstat().st_uid != os.getuid():   # planted in a group-shared folder: not ours
+                continue
             pid = int(f.read_text().split()[0])
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         except (FileNotFoundError, ValueError, IndexError):

@@ -11,6 +11,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from pivotrl_hpc.checkpoint.folders import open_folder, read_own, write_at
 from pivotrl_hpc.checkpoint.layout import REQUEST_FILE, latest, root_for, segments
 from pivotrl_hpc.launch.layout import CONTROLLER_RANK, LaunchError
 
@@ -140,8 +141,34 @@ def requeueable(job: str) -> bool:
 
 def request_checkpoint(logs: Path, mode: str) -> None:
     """Ask the running controller for a checkpoint after its next step (it polls the file)."""
-    tmp = logs / f".{REQUEST_FILE}.tmp"
-    tmp.write_text(mode + "\n")
-    os.replace(tmp, logs / REQUEST_FILE)
+    # temp + rename under the folder's fd: a planted link is replaced, never followed
+    fd = open_folder(logs, own=2, group_shared=True)   # checked strictly at the start
+    try:
+        write_at(fd, REQUEST_FILE, mode + "\n")
+    finally:
+        os.close(fd)
 
 
+MARKER = "job"   # in the logs folder: the job that last started in the run folder
+_JOB_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.]{0,63}")   # launch.layout.job_id's alphabet
+
+
+def previous_job(logs: Path, shared: bool = False) -> str:
+    """The job id in the run folder's marker, if the marker is a regular file of this user
+    holding a job id ("" otherwise, with a warning): its value names the files the sweep
+    removes, so nothing else is taken from it (issue 46: `*` swept another job's files)."""
+    try:
+        fd = open_folder(logs, own=2, group_shared=shared)
+    except FileNotFoundError:
+        return ""
+    try:
+        text = read_own(fd, MARKER)
+    finally:
+        os.close(fd)
+    old = (text or "").strip()
+    if text is not None and not _JOB_ID.fullmatch(old):
+        log.warning("ignored the job marker %s: %r is not a job id", logs / MARKER, old[:80])
+        return ""
+    if text is None and os.path.lexists(logs / MARKER):
+        log.warning("ignored the job marker %s: not a regular file of this user", logs / MARKER)
+    return old

@@ -6,10 +6,12 @@
 - The optimizer: every rank saves its own Megatron optimizer state (fp32 main params of bf16
   params, Adam moments and steps) with its RNG states, all ranks in parallel. On resume the
   params come back from GPS (the checkpoint's policy) and this file refills the optimizer, so
-  the fp32 master weights are the saved ones, never re-rounded from bf16.
+  the fp32 master weights are the saved ones, never re-rounded from bf16. The file is
+  safetensors with its structure as JSON (checkpoint.treefile): nothing in a checkpoint is
+  unpickled, so one planted by another account cannot run code (issue 46).
 - The restored state must shift like any other: the offloader frees a storage by resizing it
-  to 0 bytes, and a storage torch.load made is not resizable (its bytes belong to the file
-  reader). Every loaded tensor is copied into a fresh storage of this process's allocator
+  to 0 bytes, and a storage a file loader made may not be resizable (its bytes belong to
+  the reader). Every loaded tensor is copied into a fresh storage of this process's allocator
   before the optimizer takes it (Adam's state tensors are the loaded ones themselves; the fp32
   master weights are copied into the trainer's own), so a shift down after a restart frees it
   as before one.
@@ -23,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pivotrl_hpc.checkpoint import treefile
 from pivotrl_hpc.checkpoint.layout import POLICY, CheckpointError, optim_file, readable
 from pivotrl_hpc.gps.layout import ParallelPlace
 
@@ -54,12 +57,14 @@ def save_policy(store, version: int, folder: Path, base_model: str | Path) -> in
 
 
 def save_training(trainer, folder: Path, rank: int) -> int:
-    """This rank's optimizer state, steps done and RNG states; returns the file's bytes."""
+    """This rank's optimizer state, steps done and RNG states; returns the file's bytes.
+    A tree file (checkpoint.treefile: safetensors + JSON), never a pickle: loading one
+    another account planted must not run code (issue 46)."""
     import torch
 
     path = optim_file(folder, rank)
-    torch.save({"optimizer": trainer.optimizer.state_dict(), "steps_done": trainer.steps_done,
-                "torch_rng": torch.get_rng_state(), "python_rng": random.getstate()}, path)
+    treefile.save({"optimizer": trainer.optimizer.state_dict(), "steps_done": trainer.steps_done,
+                   "torch_rng": torch.get_rng_state(), "python_rng": random.getstate()}, path)
     return path.stat().st_size
 
 
@@ -70,12 +75,18 @@ def load_training(trainer, folder: Path, rank: int) -> None:
     path = optim_file(folder, rank)
     if not path.is_file():
         raise CheckpointError(f"{path} missing: the checkpoint was made with fewer training "
-                              "ranks (roles.train_devices / train_tensor_parallel changed?)")
-    state = owned(torch.load(path, map_location=trainer.device, weights_only=False))
-    trainer.optimizer.load_state_dict(state["optimizer"])
-    trainer.steps_done = int(state["steps_done"])
-    torch.set_rng_state(state["torch_rng"])
-    random.setstate(state["python_rng"])
+                              "ranks (roles.train_devices / train_tensor_parallel changed?), "
+                              "or by a version that pickled it (rank-N.pt: not loaded, a "
+                              "pickle runs code)")
+    try:
+        state = owned(treefile.load(path, trainer.device))
+        python_rng = state["python_rng"]
+        trainer.optimizer.load_state_dict(state["optimizer"])
+        trainer.steps_done = int(state["steps_done"])
+        torch.set_rng_state(state["torch_rng"])
+        random.setstate(python_rng)
+    except (treefile.TreeFileError, KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{path}: not this job's optimizer state ({e})") from None
 
 
 def owned(obj: Any) -> Any:
