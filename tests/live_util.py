@@ -11,6 +11,7 @@ from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+CONTENTION = 2   # CPU spinners beside one live job per paradigm: races show under load (issue 47)
 
 
 def shm_entries() -> set[Path]:
@@ -26,9 +27,18 @@ def model_overrides(models: Path) -> list[str]:
 
 
 def run_job(config: str, models: Path, trace: Path, overrides: list[str],
-            timeout_s: float = 900, watch: bool = False) -> dict:
+            timeout_s: float = 900, watch: bool = False, contention: int = 0) -> dict:
     """Run one job to its end; return trace path, output, summary, steps seen while it ran
-    (with `watch`) and the /dev/shm entries of pivotrl it left."""
+    (with `watch`) and the /dev/shm entries of pivotrl it left. `contention`: that many CPU
+    spinners run beside it (races show under load: `pivotrl bench soak --contention`)."""
+    from pivotrl_hpc.cli.bench_contention import spinners
+
+    with spinners(contention):
+        return _run_job(config, models, trace, overrides, timeout_s, watch)
+
+
+def _run_job(config: str, models: Path, trace: Path, overrides: list[str],
+             timeout_s: float, watch: bool) -> dict:
     from pivotrl_hpc.trace import open_trace
 
     cmd = [sys.executable, "-m", "pivotrl_hpc.cli.main", "run", str(ROOT / "configs" / config),
@@ -90,3 +100,38 @@ def check_nothing_lost(trace: Path, steps: int, per_step: int, k: int) -> dict:
     assert reward <= rollout and len(reward) == steps * per_step
     assert list(st["samples"]) == [per_step] * steps and st["max_lag"].max() <= k
     return {"steps": st, "shifts": shifts}
+
+
+def check_batch_cycle(seq: dict, steps: dict) -> dict:
+    """rr_colocated as Appendix E runs it, from a trace's `sequences` and `steps` columns
+    (live or simulated): for every batch b, no judgement of b starts before every rollout
+    of b has finished, and no rollout of b + 1 starts before every judgement of b has
+    finished; some training step runs while the pool rolls out or judges a later batch.
+    A sequence starts at its first `dispatch`. Returns the per-batch times."""
+    first: dict[tuple[str, str], float] = {}
+    ends: dict[tuple[str, int], list[float]] = {}
+    starts: dict[tuple[str, int], list[float]] = {}
+    for t, ev, role, sid, b in zip(seq["t"], seq["event"], seq["role"], seq["seq_id"],
+                                   seq["step"]):
+        if b < 0 or role not in ("rollout", "reward"):
+            continue
+        if ev == "dispatch" and (role, sid) not in first:
+            first[role, sid] = float(t)
+            starts.setdefault((role, int(b)), []).append(float(t))
+        elif ev == "finish":
+            ends.setdefault((role, int(b)), []).append(float(t))
+    batches = sorted({b for _, b in ends})
+    times = {b: {"rollout": (min(starts["rollout", b]), max(ends["rollout", b])),
+                 "reward": (min(starts["reward", b]), max(ends["reward", b]))}
+             for b in batches}
+    for b in batches:
+        assert times[b]["reward"][0] >= times[b]["rollout"][1], \
+            f"batch {b}: a judgement started before its last rollout finished {times[b]}"
+        if b + 1 in times:
+            assert times[b + 1]["rollout"][0] >= times[b]["reward"][1], \
+                f"batch {b + 1}'s rollout started before batch {b} was judged {times}"
+    overlap = [(s, b) for s, end, secs in zip(steps["step"], steps["t"], steps["seconds"])
+               for b in batches if b > s for role in ("rollout", "reward")
+               if times[b][role][0] < end and times[b][role][1] > end - secs]
+    assert overlap, f"no training step overlaps a later batch's rollout or reward {times}"
+    return times

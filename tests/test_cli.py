@@ -226,7 +226,7 @@ def test_bench_shift_json_smoke(tiny_models):
 
 def test_bench_e2e_searches_each_paradigms_allocation_and_computes_speedups(tiny_models):
     """The search candidates (the training width, in whole TP groups whose DP splits the
-    batch, for disaggregated, rr_colocated and shiftable; disaggregated also its
+    batch, for every paradigm but colocated; disaggregated also its
     rollout/reward split of the rest), --no-search's pick, and the speed-ups on the steady
     figure. The runs themselves are `pivotrl run` (test_learning)."""
     import argparse
@@ -246,6 +246,7 @@ def test_bench_e2e_searches_each_paradigms_allocation_and_computes_speedups(tiny
     rr = bench_e2e.candidates(args, "rr_colocated")
     assert rr == [["roles.train_devices=2"], ["roles.train_devices=4"]]
     assert bench_e2e.candidates(args, "shiftable") == rr
+    assert bench_e2e.candidates(args, "rr_colocated_pooled") == rr
     assert bench_e2e.candidates(args, "colocated") == []
     # 16 devices, 6 samples a step: 8 training devices (DP 4) do not split the batch
     args.overrides = [*overrides, "cluster.nodes=4", "cluster.cpu_share=0.05",

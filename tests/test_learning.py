@@ -10,14 +10,16 @@ so the reward lies in [0, 1] and the threshold stays a rise of 0.2. With DAPO's 
 same halved reward would lie in [-0.5, 1] and a random policy sits at -0.5 with no variance
 in a group (no GRPO signal), so learn-cpu does not use it. A policy whose rollout never
 receives the trained weights (training -> GPS Write -> rollout Reload) stays at the random
-policy's ~0.01. Each run ~3-5 min on 2 cores.
+policy's ~0.01. Each run ~3-5 min on 2 cores. Each runs beside CONTENTION CPU spinners: the
+suite's one run per paradigm under contention (issue 47; `pivotrl bench soak --contention`
+runs many).
 """
 from __future__ import annotations
 
 import statistics
 
 import pytest
-from live_util import check_nothing_lost, run_job
+from live_util import CONTENTION, check_nothing_lost, run_job
 
 pytestmark = pytest.mark.slow
 
@@ -33,7 +35,7 @@ def learned(tiny_models, tmp_path_factory):
     def get(paradigm: str) -> dict:
         if paradigm not in runs:
             runs[paradigm] = run_job("learn-cpu.yaml", tiny_models, out / f"{paradigm}.h5",
-                                     [f"paradigm.name={paradigm}"])
+                                     [f"paradigm.name={paradigm}"], contention=CONTENTION)
         return runs[paradigm]
     return get
 

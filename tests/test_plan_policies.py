@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from pivotrl_hpc.plan import (POLICIES, TRAINING_ID, ColocatedPolicy, DisaggregatedPolicy,
-                              PivotPlanner, RRColocatedPolicy, RuleBasedPolicy, StaticPolicy,
+                              PivotPlanner, RRColocatedPolicy, RRColocatedPooledPolicy,
+                              RuleBasedPolicy, StaticPolicy,
                               VanillaPlanner, VanillaTMPlanner, WorkloadSnapshot, make_policy)
 
 FIG8 = Path(__file__).resolve().parents[1] / "examples" / "figure8_snapshot.json"
@@ -22,7 +23,8 @@ def snap_from(edit=None) -> WorkloadSnapshot:
 
 def test_factory_knows_every_paradigm():
     kinds = {"colocated": ColocatedPolicy, "disaggregated": DisaggregatedPolicy,
-             "rr_colocated": RRColocatedPolicy, "shiftable": PivotPlanner,
+             "rr_colocated": RRColocatedPolicy, "rr_colocated_pooled": RRColocatedPooledPolicy,
+             "shiftable": PivotPlanner,
              "static": StaticPolicy, "rule_based": RuleBasedPolicy, "vanilla": VanillaPlanner,
              "vanilla_tm": VanillaTMPlanner}
     assert set(POLICIES) == set(kinds)

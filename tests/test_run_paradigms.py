@@ -1,11 +1,12 @@
 """The paradigms the other live tests do not run, through `pivotrl run` on the learn-cpu
-layout (1 node x 4 capped devices, TP=1): rr_colocated for 3 steps, the ablations static,
+layout (1 node x 4 capped devices, TP=1): rr_colocated for 3 steps (one batch at a time on
+its pool, Appendix E), the ablations static,
 rule_based and vanilla for 1 step each. (colocated, disaggregated and shiftable run 20
 steps in test_learning.py; shiftable with TP=2 replicas in test_run_live.py.)"""
 from __future__ import annotations
 
 import pytest
-from live_util import check_nothing_lost, run_job
+from live_util import CONTENTION, check_nothing_lost, run_job
 
 pytestmark = pytest.mark.slow
 
@@ -14,8 +15,10 @@ pytestmark = pytest.mark.slow
                                             ("rule_based", 1), ("vanilla", 1)])
 def test_paradigm_completes_its_steps_and_loses_nothing(tiny_models, tmp_path, paradigm,
                                                         steps):
+    # rr_colocated's one run beside CPU spinners (issue 47; the others: test_learning.py)
     run = run_job("learn-cpu.yaml", tiny_models, tmp_path / f"{paradigm}.h5",
-                  [f"paradigm.name={paradigm}", f"rl.steps={steps}"])
+                  [f"paradigm.name={paradigm}", f"rl.steps={steps}"],
+                  contention=CONTENTION if paradigm == "rr_colocated" else 0)
     s = run["summary"]
     assert s["paradigm"] == paradigm and s["steps"] == steps
     assert s["in_flight_at_end"] == 0 and run["left"] == set()
@@ -24,7 +27,19 @@ def test_paradigm_completes_its_steps_and_loses_nothing(tiny_models, tmp_path, p
     if paradigm == "rr_colocated":  # rollout and reward alternate on the same devices
         pool = {d for r, d in zip(shifts["role"], shifts["devices"]) if r == "reward"}
         assert pool & {d for r, d in zip(shifts["role"], shifts["devices"]) if r == "rollout"}
+        _check_one_batch_at_a_time(run["trace"], steps)
         _check_report_of_a_live_trace(run["trace"], tmp_path / "report", s)
+
+
+def _check_one_batch_at_a_time(trace, steps: int) -> None:
+    """Appendix E on the live trace: the pool rolls out a batch, judges it, then the next,
+    while training runs beside it (live_util.check_batch_cycle; the simulated one in
+    test_rr_colocated)."""
+    from live_util import check_batch_cycle
+    from pivotrl_hpc.trace import open_trace
+
+    with open_trace(str(trace)) as t:
+        assert len(check_batch_cycle(t.table("sequences"), t.table("steps"))) == steps
 
 
 def _check_report_of_a_live_trace(trace, out, summary: dict) -> None:

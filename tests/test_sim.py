@@ -160,7 +160,8 @@ def test_pivotrl_simulate_prints_every_paradigm_and_the_speedups(tiny_models, tm
         assert traces[name].exists(), name
     assert_trace_ok(*sorted(tmp_path.glob("*.h5")))   # every paradigm, every split searched
     assert out["shiftable"]["split"][0].startswith("roles.train_devices=")   # searched
-    assert set(out["speedup_vs"]) == {"colocated", "disaggregated", "rr_colocated"}
+    assert set(out["speedup_vs"]) == {"colocated", "disaggregated", "rr_colocated",
+                                      "rr_colocated_pooled"}
     assert out["speedup_vs"]["colocated"] == pytest.approx(
         out["shiftable"]["tokens_per_s"] / out["colocated"]["tokens_per_s"])
     assert out["constants"]["source"] == "config" and "paper_speedup_vs" not in out

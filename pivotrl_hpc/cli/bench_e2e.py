@@ -2,8 +2,8 @@
 machine's emulated devices (each capped to its CPU share), repeated; one JSON object.
 
 Each run is a real `pivotrl run` (vLLM rollout and GenRM, Megatron training, GPS, MPI) with
-`paradigm.name` and `rl.steps` overridden. Disaggregated, rr_colocated and shiftable get
-their best training width (and disaggregated its rollout/reward split) from a small search
+`paradigm.name` and `rl.steps` overridden. Every paradigm but colocated gets
+its best training width (and disaggregated its rollout/reward split) from a small search
 first, one run per candidate (as the paper tuned every paradigm's allocation). Prints
 {"<paradigm>": {"tokens_per_s", "steady_tokens_per_s", "seconds", "shifts", "idle_fraction",
  "train_step_s" (each with its _std over the repeats), ..., "seconds_went": {...}, "traces"},
@@ -24,7 +24,8 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-PARADIGMS = ("colocated", "disaggregated", "rr_colocated", "shiftable")
+# the paper's four and rr_colocated_pooled, the stronger variant of rr_colocated, beside them
+PARADIGMS = ("colocated", "disaggregated", "rr_colocated", "rr_colocated_pooled", "shiftable")
 METRICS = ("tokens_per_s", "steady_tokens_per_s", "seconds", "shifts", "idle_fraction",
            "train_step_s")
 
@@ -82,7 +83,7 @@ def candidates(args, paradigm: str, check_files: bool = True) -> list[list[str]]
     from pivotrl_hpc.config import load_config
 
     cfg = load_config(args.config, args.overrides, check_files=check_files)
-    if paradigm not in ("disaggregated", "rr_colocated", "shiftable"):
+    if paradigm not in ("disaggregated", "rr_colocated", "rr_colocated_pooled", "shiftable"):
         return []
     widths = [[f"roles.train_devices={t}"] for t in train_widths(cfg)]
     if paradigm != "disaggregated":

@@ -6,7 +6,8 @@ The same controller as a live run decides; only the devices are modeled. Costs c
 GPU's datasheet and the models' dimensions (`--hardware h20`, the default for a GPU config:
 sim/profile.py), from the config (throughput constants, tau_shift, `--train-seconds`; the
 default for a CPU config) or, with `--from-trace`, from what a live run measured.
-Disaggregated, rr_colocated and shiftable get their best training width (and disaggregated
+`all`: the paper's four and rr_colocated_pooled (rr_colocated's stronger variant, beside it).
+Every paradigm but colocated gets its best training width (and disaggregated
 its rollout/reward split) from the same search as `pivotrl bench e2e` (`--no-search`: the
 config's). Prints one JSON object shaped like bench e2e's:
 {"<paradigm>": {"tokens_per_s", "seconds", "shifts", "idle_fraction", "split"},
@@ -32,7 +33,8 @@ SHOWN = ("tokens_per_s", "steady_tokens_per_s", "seconds", "shifts", "idle_fract
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("config")
-    p.add_argument("--paradigms", default="all", help="comma separated, or all (the four)")
+    p.add_argument("--paradigms", default="all", help="comma separated, or all (bench e2e's PARADIGMS: the paper's four "
+                        "and rr_colocated_pooled)")
     p.add_argument("--from-trace", default=None,
                    help="take shift, training and throughput constants from a live trace")
     p.add_argument("--train-seconds", type=float, default=1.0,

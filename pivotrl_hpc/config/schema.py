@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 DeviceKind = Literal["cpu", "gpu"]
-Paradigm = Literal["colocated", "disaggregated", "rr_colocated", "shiftable",
-                   "static", "rule_based", "vanilla", "vanilla_tm"]
+Paradigm = Literal["colocated", "disaggregated", "rr_colocated", "rr_colocated_pooled",
+                   "shiftable", "static", "rule_based", "vanilla", "vanilla_tm"]
 Transport = Literal["nixl", "mpi"]
 DType = Literal["float32", "bfloat16", "float16"]
 

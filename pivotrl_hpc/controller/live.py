@@ -35,7 +35,8 @@ from pivotrl_hpc.sched.model import ThroughputModel
 
 log = logging.getLogger(__name__)
 
-FIXED = ("colocated", "disaggregated", "rr_colocated")  # they place their own replicas
+# they place their own replicas
+FIXED = ("colocated", "disaggregated", "rr_colocated", "rr_colocated_pooled")
 
 
 def loop_config(cfg: Config) -> LoopConfig:

@@ -231,7 +231,8 @@ class Controller:
 
     def admit(self) -> None:
         version, held, now = self.gen_version(), self.book.held_s, self.clock.now()
-        admitted = self.book.admit(version, now)
+        # rr_colocated's pool serves one batch at a time (plan.policies.RRColocatedPolicy)
+        admitted = self.book.admit(version, now, getattr(self.policy, "per_batch", False))
         if admitted or self.book.held_s != held:
             self.report.admission(now, version, len(admitted), self.book.held_s - held)
         for s in admitted:

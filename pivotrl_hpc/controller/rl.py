@@ -88,26 +88,44 @@ class RLBook:
         self.next_sid = 0
         self.held_s = 0.0                  # seconds admission was held by the staleness bound
         self._held_since: float | None = None
+        self._open: float | None = None    # _oldest_open's cache (None: to compute)
         self.unparsed = 0
 
     # --- admission ---------------------------------------------------------------------
     def batch_of(self, i: int) -> int:
         return i // self.batch_size
 
-    def admit(self, gen_version: int, now: float) -> list[Sample]:
-        """Admit every prompt whose batch is at most k ahead of `gen_version`."""
+    def admit(self, gen_version: int, now: float, per_batch: bool = False) -> list[Sample]:
+        """Admit every prompt whose batch is at most k ahead of `gen_version`; `per_batch`
+        (rr_colocated, Appendix E): a batch only once every sample before it is judged.
+        `held_s` counts the staleness bound's holds only."""
         out: list[Sample] = []
         total = self.steps * self.batch_size
-        while self.next_prompt < total and self.batch_of(self.next_prompt) - gen_version <= self.k:
+        while self.next_prompt < total and not self._stale(gen_version):
+            batch = self.batch_of(self.next_prompt)
+            if per_batch and self._oldest_open() < batch:
+                break
             prompt = self.prompts[self.next_prompt % len(self.prompts)]
-            out += self._group(prompt, self.batch_of(self.next_prompt))
+            out += self._group(prompt, batch)
             self.next_prompt += 1
-        blocked = self.next_prompt < total
+        blocked = self.next_prompt < total and self._stale(gen_version)
         if blocked and self._held_since is None:
             self._held_since = now
         elif not blocked or out:
             self._release(now)
         return out
+
+    def _stale(self, gen_version: int) -> bool:
+        return self.batch_of(self.next_prompt) - gen_version > self.k
+
+    def _oldest_open(self) -> float:
+        """The oldest batch with a sample not judged yet (inf: none). Cached until a sample
+        is admitted or judged: admission asks every loop turn."""
+        if self._open is None:
+            self._open = min((s.batch for s in self.samples.values()
+                              if s.batch >= 0 and s.state in ("admitted", "rolled")),
+                             default=math.inf)
+        return self._open
 
     def _release(self, now: float) -> None:
         if self._held_since is not None:
@@ -136,6 +154,7 @@ class RLBook:
 
     def _new(self, prompt: PromptData, batch: int, budget: int, sampling: Sampling) -> Sample:
         s = Sample(self.next_sid, prompt, batch, budget, sampling)
+        self._open = None
         s.judge_budget = self.lengths.draw(self.rng, self.lengths.genrm_median,
                                            self.lengths.genrm_sigma, self.lengths.genrm_cap)
         self.samples[s.sid] = s
@@ -161,6 +180,7 @@ class RLBook:
         s.score = task.score(s.prompt, s.response, s.judgement)
         self.unparsed += not s.score.parsed
         s.state = "rewarded"
+        self._open = None
         return s
 
     def batch_ready(self, step: int) -> bool:

@@ -6,8 +6,10 @@
 - `rule_based` (RuleBasedPolicy): §8.4: KV utilisation > 0.8 shifts up, < 0.1 shifts down.
 - `colocated` (ColocatedPolicy): §8.2 colocated (veRL): all devices to one stage at a time.
 - `disaggregated` (DisaggregatedPolicy): §8.2 disaggregated: a fixed split, never changed.
-- `rr_colocated` (RRColocatedPolicy): §8.2: rollout and reward alternate on one pool,
-  training on its own fixed pool.
+- `rr_colocated` (RRColocatedPolicy): §8.2, Appendix E: rollout and reward alternate on one
+  pool a batch at a time (roll out a batch, judge it, the next), training on its own pool.
+- `rr_colocated_pooled` (RRColocatedPooledPolicy): a stronger variant, not the paper's: the
+  pool turns only when one role runs out, so it rolls out every admitted batch first.
 
 Fixed policies return the plan that reaches their allocation from the snapshot (so they
 also bootstrap an empty cluster) and None once it holds.
@@ -196,9 +198,17 @@ class DisaggregatedPolicy:
 
 @dataclass
 class RRColocatedPolicy:
-    """Rollout and reward alternate on the non-training pool; training keeps its own."""
+    """Rollout and reward alternate on the non-training pool; training keeps its own.
+
+    Appendix E: "Once rollout completes sampling a batch, reward evaluation is launched on
+    the same resources ... and the cycle repeats", staleness letting later batches go on
+    while training runs. The allocation below turns the pool when the role it serves runs
+    out; `per_batch` asks the controller to admit a batch only once every sample before it
+    is judged (`RLBook.admit`), so that the pool serves one batch at a time. A decision
+    sees no batches (the snapshot holds sequences), hence the flag."""
 
     name = "rr_colocated"
+    per_batch = True
 
     def decide(self, snap: WorkloadSnapshot) -> ShiftPlan | None:
         pool = set(_non_training(snap))
@@ -211,12 +221,23 @@ class RRColocatedPolicy:
         return allocation_plan(snap, target, True, f"rollout-reward pool serves {stage}")
 
 
+@dataclass
+class RRColocatedPooledPolicy(RRColocatedPolicy):
+    """The same allocation with admission bounded by staleness alone: with staleness k the
+    pool rolls out up to k + 1 batches before it judges any, paying one pair of tails (the
+    last rollouts, the last judgements) per k + 1 batches instead of per batch. Kept as a
+    named, stronger baseline beside the paper's (issue 49)."""
+
+    name = "rr_colocated_pooled"
+    per_batch = False
+
+
 # the planner and its two ablations, by paradigm name
 _PLANNER_CLASSES = {"shiftable": PivotPlanner, "vanilla": VanillaPlanner,
                     "vanilla_tm": VanillaTMPlanner}
 PLANNERS = tuple(_PLANNER_CLASSES)
-POLICIES = ("colocated", "disaggregated", "rr_colocated", "shiftable", "static",
-            "rule_based", "vanilla", "vanilla_tm")
+POLICIES = ("colocated", "disaggregated", "rr_colocated", "rr_colocated_pooled", "shiftable",
+            "static", "rule_based", "vanilla", "vanilla_tm")
 
 
 def make_policy(name: str, params: Mapping[str, Any] | None = None) -> AllocationPolicy:
@@ -230,7 +251,8 @@ def make_policy(name: str, params: Mapping[str, Any] | None = None) -> Allocatio
         return _PLANNER_CLASSES[name](PlannerParams(**p))
     factories = {"static": StaticPolicy, "rule_based": RuleBasedPolicy,
                  "colocated": ColocatedPolicy, "disaggregated": DisaggregatedPolicy,
-                 "rr_colocated": RRColocatedPolicy}
+                 "rr_colocated": RRColocatedPolicy,
+                 "rr_colocated_pooled": RRColocatedPooledPolicy}
     if name not in factories:
         raise ValueError(f"unknown policy {name!r} (known: {', '.join(POLICIES)})")
     try:
