@@ -2,7 +2,9 @@
 
 `ThreadDecider` (live) decides on a worker thread over an immutable snapshot; the loop polls
 for the result and re-checks the plan against the state of that moment before executing it.
-`InlineDecider` (simulation, tests) decides at once, deterministically.
+`InlineDecider` (simulation, tests) decides at once, deterministically; given a clock and
+`delay_s` (the simulator: the planner's decision time, sim/costs.py) it hands the plan over
+that much later, as the thread would, and is busy meanwhile.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ def decide(policy: AllocationPolicy, snap: WorkloadSnapshot) -> Decision:
 
 class Decider(Protocol):
     busy: bool
+    ready_at: float | None   # when a pending decision is handed over (None: not known)
 
     def start(self, policy: AllocationPolicy, snap: WorkloadSnapshot) -> None: ...
 
@@ -39,22 +42,36 @@ class Decider(Protocol):
 
 
 class InlineDecider:
-    def __init__(self) -> None:
+    def __init__(self, clock: Any = None, delay_s: float = 0.0) -> None:
+        if delay_s < 0 or (delay_s and clock is None):
+            raise ValueError(f"a decision delay ({delay_s} s) needs a clock and >= 0 s")
+        self.clock, self.delay_s = clock, delay_s
         self._result: Decision | None = None
-        self.busy = False
+        self.ready_at: float | None = None
+
+    @property
+    def busy(self) -> bool:
+        return self.ready_at is not None and self.clock.now() < self.ready_at
 
     def start(self, policy: AllocationPolicy, snap: WorkloadSnapshot) -> None:
         self._result = decide(policy, snap)
+        if self.delay_s:   # its seconds: the decision time charged, not this host's
+            self._result = (*self._result[:3], self.delay_s)
+            self.ready_at = self.clock.now() + self.delay_s
 
     def poll(self) -> Decision | None:
-        result, self._result = self._result, None
+        if self.busy:
+            return None
+        result, self._result, self.ready_at = self._result, None, None
         return result
 
     def close(self) -> None:
-        self._result = None
+        self._result, self.ready_at = None, None
 
 
 class ThreadDecider:
+    ready_at = None   # on the thread's own time
+
     def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="planner")
         self._future: Future | None = None

@@ -183,7 +183,8 @@ class Controller:
         self._events, self._plan_at = False, now + self.cfg.planner_interval_s
         self.decider.start(self.policy, self.snapshot())
         # An inline decider (virtual time) has its plan already: carry it out now, as the
-        # live loop does within milliseconds, not at the next planner tick.
+        # live loop does within milliseconds, not at the next planner tick; one that
+        # charges the decision's seconds hands it over then (next_event wakes the loop).
         self._take_decision()
 
     def _take_decision(self) -> None:
@@ -399,7 +400,8 @@ class Controller:
 
     def next_event(self) -> float:
         """The earliest of: a reply due (simulation), the next planning round, the next
-        progress line. Nothing pending at all: one planner interval on."""
+        progress line, a decision handed over. Nothing pending at all: one planner
+        interval on."""
         now = self.clock.now()
         reply = self.devices.next_reply_time()
         if reply is not None and reply <= now:
@@ -408,7 +410,7 @@ class Controller:
             return now
         if self._events and self._plan_due(now):
             return now   # an event came in after this turn's planning: plan on it now
-        due = [self._plan_at, self.report.next_tick, reply]
+        due = [self._plan_at, self.report.next_tick, reply, self.decider.ready_at]
         later = [t for t in due if t is not None and t > now]
         return min(later) if later else now + self.cfg.planner_interval_s
 

@@ -55,8 +55,9 @@ class Outcome:
     figures: dict = field(default_factory=dict)
 
 
-CACHE_VERSION = 3   # bump when what a run's figures mean changes (2: KV preemption, 55ef0ff;
-#                     3: issue 49, KV from the device, MoE experts touched, training comm)
+CACHE_VERSION = 4   # bump when what a run's figures mean changes (2: KV preemption, 55ef0ff;
+#                     3: issue 49, KV from the device, MoE experts touched, training comm;
+#                     4: issue 49, rr_colocated per batch, GPS Write, Reload and planning)
 
 
 def run_one(run: Run, cache: str | None = None) -> Outcome:

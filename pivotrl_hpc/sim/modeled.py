@@ -97,6 +97,11 @@ class ModeledWorker:
     # seconds to prefill one token, per model ("policy", "genrm"): every AddSequences pays
     # for each sequence's prompt and generated tokens (a resumed one is prefilled again)
     prefill_s_per_token: dict[str, float] = field(default_factory=dict)
+    # the GPS Write of a published step (sim/costs.py): its local part ends the TrainStep,
+    # WaitWrite waits for its replication to every node; a Reload Reads the new version
+    write_local_s: float = 0.0
+    write_replication_s: float = 0.0
+    reload_s: float = 0.0
     # sequences decoded at once, as the live engines' vLLM max_num_seqs (runtime/spec.py
     # leaves EngineOptions' default); the Scheduler may place more (up to the KV capacity)
     max_num_seqs: int = EngineOptions.max_num_seqs
@@ -203,15 +208,17 @@ class ModeledWorker:
             b = cmd.batch
             tokens = sum(map(len, b.prompts)) + sum(map(len, b.responses))
             self.train_seconds.append(self.train_s + self.train_s_per_token * tokens)
-            return {"loss": 0.0, "gps_version": self.store.pending}, self.train_seconds[-1]
+            write = self.write_local_s if cmd.publish else 0.0
+            return {"loss": 0.0, "gps_version": self.store.pending}, \
+                self.train_seconds[-1] + write
         if isinstance(cmd, WaitWrite):
             if self.store.pending is not None:
                 self.store.version, self.store.pending = self.store.pending, None
             self.version = self.store.version
-            return {"version": self.store.version}, 0.0
+            return {"version": self.store.version}, self.write_replication_s
         if isinstance(cmd, Reload):
             self.version = cmd.version if cmd.version is not None else self.store.version
-            return {"version": self.version}, 0.0
+            return {"version": self.version}, self.reload_s
         if isinstance(cmd, SaveCheckpoint):
             return self._checkpoint(cmd), 0.0
         if isinstance(cmd, (QueryState, Shutdown)):

