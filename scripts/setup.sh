@@ -58,6 +58,7 @@ python_env() {
   log "megatron-core, nixl, mpi4py, submitit, h5py, dev tools, project (editable)"
   $PIP torch==2.13.0 megatron-core==0.16.1 nixl==1.5.1 mpi4py submitit h5py
   $PIP pyarrow math-verify   # the task layer: veRL/DAPO parquet, reward.verifiable math_verify
+  $PIP wandb==0.31.0         # trace.loggers: wandb (the optional extra; tests run it offline)
   $PIP --no-deps -e .
   $PIP pytest pytest-timeout pytest-randomly hypothesis pyyaml matplotlib
   .venv/bin/pip uninstall -y -q torchvision torchaudio torchcodec triton 2>/dev/null || true

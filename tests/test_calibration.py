@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from pivotrl_hpc.config import ConfigError, load_config
-from pivotrl_hpc.config.schema import CalibrationConfig
+from pivotrl_hpc.config.schema import CalibrationConfig, ParadigmConfig
 from pivotrl_hpc.reproduce import calibrate as cal
 from pivotrl_hpc.reproduce import paper
 from pivotrl_hpc.reproduce.runs import Run, load_run
@@ -125,22 +125,33 @@ def test_the_calibration_file_records_fit_residuals_and_sources(tmp_path):
     assert doc["calibration"]["shift_up_s_reward"] == cal.FIXED[G7].shifts["reward"][0]
 
 
-def test_a_config_includes_its_calibration_over_its_own_keys(tmp_path):
+def test_a_config_s_own_keys_win_over_its_include_and_the_command_line_over_both(
+        tmp_path, caplog):
+    """Issue 48: a user's edit of a copied config sticks; the include fills in the rest."""
     path, doc = _written(tmp_path)
     base = ROOT / "configs" / "tiny-cpu.yaml"
     text = base.read_text() + "\ninclude: calibration/c.yaml\n"
     (tmp_path / "run.yaml").write_text(text)
-    cfg = load_config(tmp_path / "run.yaml", check_files=False)
-    for k, v in doc["calibration"].items():
+    own = load_config(base, check_files=False)
+    with caplog.at_level("INFO", logger="pivotrl_hpc.config.load"):
+        cfg = load_config(tmp_path / "run.yaml", check_files=False)
+    for k, v in doc["calibration"].items():   # set by the include only
         assert getattr(cfg.calibration, k) == v, k
-    assert cfg.workload.genrm_median == doc["workload"]["genrm_median"]
-    assert cfg.rl.batch_size == doc["rl"]["batch_size"]
-    assert cfg.paradigm.shift_seconds_reward == doc["paradigm"]["shift_seconds_reward"]
-    # the command line still wins over the include
+    assert cfg.workload.judge_prompt_ratio == doc["workload"]["judge_prompt_ratio"]
+    # set in both: the file's own, and the load says so, naming both values and files
+    assert cfg.workload.genrm_median == own.workload.genrm_median != doc["workload"][
+        "genrm_median"]
+    assert cfg.rl.batch_size == own.rl.batch_size != doc["rl"]["batch_size"]
+    assert cfg.paradigm.shift_seconds_reward == own.paradigm.shift_seconds_reward
+    said = caplog.text
+    assert (f"workload.genrm_median: {own.workload.genrm_median} of {tmp_path / 'run.yaml'} "
+            f"wins over {doc['workload']['genrm_median']} of "
+            f"{tmp_path / 'calibration' / 'c.yaml'}") in said
+    assert "rl.batch_size" in said and "calibration.policy_scale" not in said
+    # the command line still wins over both
     cfg = load_config(tmp_path / "run.yaml", ["workload.genrm_median=7"], check_files=False)
     assert cfg.workload.genrm_median == 7
-    # without includes (--hardware datasheet): the file's own keys, defaults elsewhere
-    own = load_config(base, check_files=False)
+    # without includes: the file's own keys, defaults elsewhere
     cfg = load_config(tmp_path / "run.yaml", check_files=False, includes=False)
     assert cfg.calibration == CalibrationConfig()
     assert cfg.workload == own.workload and cfg.rl.batch_size == own.rl.batch_size
@@ -184,19 +195,21 @@ def test_calibrated_scales_each_model_training_and_names_shifts():
 
 
 @pytest.mark.parametrize("group", paper.GROUPS)
-def test_paper_configs_load_with_their_calibration_and_datasheet_ignores_it(group):
+def test_paper_configs_load_with_their_calibration_and_datasheet_keeps_its_assumptions(group):
+    """Calibrated: every value the calibration file sets (the paper config no longer sets
+    any of them differently, now that a file's own keys win). Datasheet: the assumptions
+    (rl, workload) without the fit."""
     config = ROOT / "configs" / f"{group}.yaml"
     cal_file = ROOT / "configs" / "calibration" / f"{group}.yaml"
     written = yaml.safe_load(cal_file.read_text())
     cfg = load_run(Run(str(config), "colocated"))
-    for k, v in written["calibration"].items():
-        assert getattr(cfg.calibration, k) == v, (group, k)
-    assert cfg.workload.genrm_median == written["workload"]["genrm_median"]
-    assert cfg.rl.batch_size == written["rl"]["batch_size"]
+    for section in ("rl", "workload", "paradigm", "calibration"):
+        for k, v in written[section].items():
+            assert getattr(getattr(cfg, section), k) == v, (group, section, k)
     sheet = load_run(Run(str(config), "colocated", hardware="datasheet"))
     assert sheet.calibration == CalibrationConfig()
-    assert sheet.workload.genrm_median != written["workload"]["genrm_median"]
-    assert sheet.workload.judge_prompt_ratio == 0.0
+    assert sheet.workload == cfg.workload and sheet.rl.batch_size == cfg.rl.batch_size
+    assert sheet.paradigm.shift_seconds_reward == ParadigmConfig().shift_seconds_reward
     with pytest.raises(ValueError, match="hardware"):
         load_run(Run(str(config), "colocated", hardware="h100"))
 

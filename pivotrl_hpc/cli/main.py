@@ -34,7 +34,7 @@ COMMANDS: tuple[Command, ...] = (
     Command("report", "pivotrl_hpc.cli.report",
             "turn an HDF5 trace into figures, a summary and a Perfetto timeline"),
     Command("trace", "pivotrl_hpc.cli.trace",
-            "check a trace's invariants (docs/trace.md): pivotrl trace check TRACE"),
+            "check a trace's invariants or print its samples (docs/trace.md)"),
     Command("export", "pivotrl_hpc.cli.export",
             "write a run's trained policy as a HuggingFace model folder"),
     Command("plan", "pivotrl_hpc.cli.plan", "replay one planner decision from a snapshot"),

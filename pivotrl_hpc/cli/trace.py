@@ -1,9 +1,11 @@
 """`pivotrl trace check TRACE...`: the invariants of docs/trace.md on a trace, one line each;
-exit 0 when every one holds, 1 on any violation, 2 when a trace cannot be read."""
+exit 0 when every one holds, 1 on any violation, 2 when a trace cannot be read.
+`pivotrl trace samples RUN [--step S] [--unparsed]`: the kept samples' texts for a person."""
 from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 from pathlib import Path
 
 
@@ -12,9 +14,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c = sub.add_parser("check", help="check a trace's invariants (docs/trace.md)",
                        description="check a trace's invariants (docs/trace.md)")
     c.add_argument("traces", nargs="+", metavar="TRACE", help="HDF5 trace(s), live or simulated")
+    s = sub.add_parser("samples", help="print the samples a run kept (trace.samples)",
+                       description="print the prompts, responses, judgements and rewards "
+                                   "of the samples a run kept (trace.samples), every "
+                                   "segment of a resumed run")
+    s.add_argument("run", metavar="RUN", help="the run's trace (x.h5; its x.segN.h5 too)")
+    s.add_argument("--step", type=int, help="only this step (evaluations: the steps "
+                                            "trained before it)")
+    s.add_argument("--unparsed", action="store_true",
+                   help="only samples whose GenRM judgement gave no score")
+    s.add_argument("--kind", choices=("train", "eval"), help="only trained or evaluated ones")
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.trace_command == "samples":
+        return samples(args)
     from pivotrl_hpc.trace.check import check
 
     worst = 0
@@ -32,3 +46,59 @@ def main(args: argparse.Namespace) -> int:
             print(f"  {r.line()}")
         worst = max(worst, 0 if all(r.ok for r in results) else 1)
     return worst
+
+
+def read_samples(run: Path) -> list[dict]:
+    """The `samples` rows of every segment of the run, in order."""
+    from pivotrl_hpc.checkpoint.layout import segments
+    from pivotrl_hpc.trace import open_trace
+
+    rows = []
+    for path in segments(run) or [run]:
+        with open_trace(path) as t:
+            if "samples" not in t.tables:
+                raise ValueError(f"{path} was written before traces kept samples")
+            cols = t.table("samples")
+            rows += [{c: cols[c][i] for c in cols} for i in range(t.rows("samples"))]
+    return rows
+
+
+def samples(args: argparse.Namespace) -> int:
+    run = Path(args.run)
+    if not run.is_file() and run.with_suffix(".h5").is_file():
+        run = run.with_suffix(".h5")
+    if not run.is_file():
+        print(f"pivotrl trace samples: no trace at {run}", file=sys.stderr)
+        return 2
+    try:
+        rows = read_samples(run)
+    except (OSError, KeyError, ValueError) as e:
+        print(f"pivotrl trace samples: {run} is not a readable trace: {e}", file=sys.stderr)
+        return 2
+    shown = [r for r in rows if (args.step is None or r["step"] == args.step)
+             and (not args.unparsed or r["parse"] in ("unparsed", "truncated"))
+             and (args.kind is None or r["kind"] == args.kind)]
+    for r in shown:
+        print(describe(r))
+    print(f"{len(shown)} of {len(rows)} kept samples", file=sys.stderr)
+    return 0
+
+
+def describe(r: dict) -> str:
+    """One sample for a person: a header line, then each text indented."""
+    if r["kind"] == "train":
+        head = (f"step {r['step']} train, sample {r['sample']}, policy v{r['version']}: "
+                f"reward {r['reward']:.3f} = verifiable {r['verifiable']:.3f} + GenRM "
+                f"{r['genrm']:.3f} ({r['parse'] or 'no judgement'})")
+    else:
+        head = (f"evaluation after {r['step']} steps, sample {r['sample']}: "
+                f"{'correct' if r['correct'] == 1 else 'wrong'}")
+    lines = [f"== {head}" + (f" [{r['data_source']}]" if r["data_source"] else "")]
+    for name, tokens in (("prompt", r["prompt_tokens"]), ("response", r["response_tokens"]),
+                         ("judgement", r["judge_tokens"])):
+        if name == "judgement" and r["kind"] != "train":
+            continue
+        text = r[name] if isinstance(r[name], str) else ""
+        lines.append(f"  {name} ({tokens} tokens):")
+        lines.append(textwrap.indent(text.rstrip() or "(empty)", "    | "))
+    return "\n".join(lines)

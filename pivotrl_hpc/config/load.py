@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import logging
 import types
 import typing
 from pathlib import Path
@@ -14,6 +15,8 @@ import yaml
 from pivotrl_hpc.checkpoint.layout import names_a_path
 from pivotrl_hpc.config.errors import ConfigError
 from pivotrl_hpc.config.schema import Config
+
+log = logging.getLogger(__name__)
 
 
 def _did_you_mean(key: str, choices: list[str]) -> str:
@@ -31,6 +34,10 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if value not in allowed:
             raise ConfigError(key, f"{value!r} is not one of {', '.join(map(repr, allowed))}")
         return value
+    if get_origin(tp) is list:
+        if not isinstance(value, list):
+            raise ConfigError(key, f"{value!r} is a {type(value).__name__}, expected a list")
+        return [_coerce(v, get_args(tp)[0], f"{key}[{i}]") for i, v in enumerate(value)]
     if isinstance(tp, types.UnionType):
         for arm in get_args(tp):
             try:
@@ -149,18 +156,38 @@ def _merge(base: dict, over: dict) -> dict:
     return base
 
 
-def _included(data: dict, path: Path, use: bool) -> dict:
-    """Apply the file's `include` (a path or a list, relative to it): each included file's
-    keys replace the including file's, before the command line's overrides. A paper config
-    includes its calibration this way (configs/calibration/, docs/calibration.md). An
-    included file's top-level `record` is its documentation (the fit, its residuals, the
-    sources) and is not loaded. `use=False` drops the include (`--hardware datasheet`)."""
+def leaves(data: Any, prefix: str = "") -> dict[str, Any]:
+    """Dotted key -> value of every non-mapping value under `data`."""
+    if not isinstance(data, dict):
+        return {prefix: data} if prefix else {}
+    out: dict[str, Any] = {}
+    for k, v in data.items():
+        out.update(leaves(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
+
+
+Sections = bool | tuple[str, ...]
+
+
+def _included(data: dict, path: Path, use: Sections) -> tuple[dict, dict[str, str]]:
+    """Apply the file's `include` (a path or a list, relative to it) under the file: its
+    own keys win over every included file's (a later include over an earlier one), and a
+    key set in both with another value is logged; the command line's overrides come last.
+    A paper config includes its calibration this way (configs/calibration/,
+    docs/calibration.md). An included file's top-level `record` is its documentation (the
+    fit, its residuals, the sources) and is not loaded. `use`: True every section of the
+    included files, False none (the include dropped), a tuple only those top-level
+    sections (`reproduce --hardware datasheet` keeps the calibration's assumptions).
+    Returns the mapping and where each of its values comes from (dotted key -> file)."""
     names = data.pop("include", None)
-    if names is None or not use:
-        return data
+    origins = dict.fromkeys(leaves(data), str(path))
+    if names is None or use is False:
+        return data, origins
     names = [names] if isinstance(names, str) else names
     if not isinstance(names, list) or not all(isinstance(n, str) and n for n in names):
         raise ConfigError("include", f"{names!r} is not a file name or a list of them")
+    base: dict = {}
+    theirs_from: dict[str, str] = {}   # dotted key -> the included file that sets it
     for name in names:
         inc = (path.parent / name).resolve()
         if not inc.is_file():
@@ -171,27 +198,58 @@ def _included(data: dict, path: Path, use: bool) -> dict:
         extra.pop("record", None)
         if "include" in extra:
             raise ConfigError("include", f"{inc} includes further files; one level only")
-        _merge(data, extra)
-    return data
+        if use is not True:
+            extra = {k: v for k, v in extra.items() if k in use}
+        _merge(base, extra)
+        theirs_from.update(dict.fromkeys(leaves(extra), str(inc)))
+    theirs = leaves(base)
+    for key, value in leaves(data).items():
+        if key in theirs and theirs[key] != value:
+            log.info("%s: %r of %s wins over %r of %s", key, value, path, theirs[key],
+                     theirs_from[key])
+    return _merge(base, data), {k: f"{v} (included)" for k, v in theirs_from.items()
+                                if k not in origins} | origins
 
 
-def load_config(path: str | Path | None, overrides: list[str] = (), *,
-                check_files: bool = True, includes: bool = True) -> Config:
-    """Load, include, override, type-check and validate; raise ConfigError naming the key."""
-    from pivotrl_hpc.config.validate import validate
-
+def layered(path: str | Path | None, overrides: list[str] = (), *,
+            includes: Sections = True) -> tuple[dict, dict[str, str], Path]:
+    """The merged mapping of a config file, its includes and the command line's
+    overrides; where each value comes from; the folder relative paths resolve against."""
     data: dict = {}
+    origins: dict[str, str] = {}
     base = Path.cwd()
     if path is not None:
         path = Path(path)
         if not path.is_file():
             raise ConfigError("<file>", f"config file {path} does not exist")
-        data = _included(_read(path), path, includes)
+        data, origins = _included(_read(path), path, includes)
         base = path.resolve().parent
-    cfg = resolve_paths(build(Config, apply_overrides(data, list(overrides))), base)
+    for item in overrides:
+        keys, value = parse_override(item)
+        prefix = ".".join(keys)
+        origins = {k: v for k, v in origins.items()
+                   if k != prefix and not k.startswith(prefix + ".")}
+        origins.update(dict.fromkeys(leaves(value, prefix), "command line"))
+    return apply_overrides(data, list(overrides)), origins, base
+
+
+def load_explained(path: str | Path | None, overrides: list[str] = (), *,
+                   check_files: bool = True,
+                   includes: Sections = True) -> tuple[Config, dict[str, str]]:
+    """`load_config`, and where each value set by a file or the command line comes from."""
+    from pivotrl_hpc.config.validate import validate
+
+    data, origins, base = layered(path, overrides, includes=includes)
+    cfg = resolve_paths(build(Config, data), base)
     _check_calibration(cfg)
     validate(cfg, check_files=check_files)
-    return cfg
+    return cfg, origins
+
+
+def load_config(path: str | Path | None, overrides: list[str] = (), *,
+                check_files: bool = True, includes: Sections = True) -> Config:
+    """Load, include, override, type-check and validate; raise ConfigError naming the key."""
+    return load_explained(path, overrides, check_files=check_files, includes=includes)[0]
 
 
 def _check_calibration(cfg: Config) -> None:

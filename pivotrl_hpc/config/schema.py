@@ -89,7 +89,8 @@ class RLConfig:
     steps: int = 3
     seed: int = 0
     temperature: float = 1.0     # rollout sampling temperature
-    eval_every: int = 0          # validation accuracy every N steps (0: never)
+    eval_every: int = 0          # validation accuracy every N steps and after the last (0: never)
+    eval_before_train: bool = False   # also of the initial policy (veRL's val_before_train)
     eval_prompts: int = 16       # validation prompts per evaluation
     # pass@1 over this many samples of each validation prompt, drawn at eval_temperature
     # (0: greedy; DAPO's AIME evaluation draws 32 at temperature 1.0)
@@ -250,6 +251,13 @@ class TraceConfig:
     log_interval_s: float = 5.0   # one progress line per interval
     # also write each RL step's metrics as TensorBoard scalars, in <trace>.tensorboard/
     tensorboard: bool = False
+    # Where step metrics go besides the trace (veRL's trainer.logger): console (the log),
+    # tensorboard (as `tensorboard: true`), wandb (the optional extra; WANDB_MODE=offline
+    # keeps it off the network). docs/trace.md maps the names to veRL's.
+    loggers: list[str] = field(default_factory=lambda: ["console"])
+    # The texts of trained and evaluated samples kept in the trace's `samples` table
+    # (`pivotrl trace samples RUN`): "all", "none", or N per step (and per evaluation)
+    samples: int | str = 4
     # the run folder (the trace's, its .logs and .checkpoints) may be group-writable: an
     # explicit opt-in for a folder a group shares on purpose (docs/security.md, issue 46)
     group_shared: bool = False

@@ -5,6 +5,7 @@ import json
 import logging
 from pathlib import Path
 
+from pivotrl_hpc.config import run_checks
 from pivotrl_hpc.config.errors import ConfigError
 from pivotrl_hpc.config.schema import Config, ModelConfig
 
@@ -331,7 +332,9 @@ def validate(cfg: Config, check_files: bool = True) -> None:
     _architectures(cfg)
     _memory(cfg)
     _task_settings(cfg)
+    run_checks.trace_settings(cfg)
     if check_files:
+        run_checks.check_length_mode(cfg)
         _models_on_disk(cfg)
 
 

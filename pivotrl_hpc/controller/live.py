@@ -50,6 +50,7 @@ def loop_config(cfg: Config) -> LoopConfig:
         training_devices=tuple(range(r.train_devices)), steps=cfg.rl.steps,
         planner_interval_s=cfg.paradigm.planner_interval_s,
         log_interval_s=cfg.trace.log_interval_s, eval_every=cfg.rl.eval_every,
+        eval_before_train=cfg.rl.eval_before_train, samples=cfg.trace.samples,
         step_iterations=r.step_iterations, prebuild=prebuild_models(cfg),
         ignore_eos_judge=cfg.workload.length_mode == "budget",
         migration=cfg.paradigm.migration)
@@ -204,7 +205,7 @@ def run_on(cfg: Config, comm, device_ranks: Mapping[int, int], trace_path: str |
            placement: list[dict] | None = None, stopper=None) -> dict[str, Any]:
     from pivotrl_hpc.runtime.spec import resumed_from
     from pivotrl_hpc.trace import TraceWriter
-    from pivotrl_hpc.trace.tensorboard import tensorboard_dir
+    from pivotrl_hpc.trace.loggers import sinks
 
     clock = MonotonicClock()
     inbox = MPIInbox(comm)
@@ -214,8 +215,7 @@ def run_on(cfg: Config, comm, device_ranks: Mapping[int, int], trace_path: str |
             "resumed_from": resumed_from(cfg),
             "device_ranks": {str(d): r for d, r in device_ranks.items()},
             "ranks": placement or []}
-    trace = TraceWriter(str(trace_path), meta,
-                        tensorboard=tensorboard_dir(trace_path, cfg.trace.tensorboard))
+    trace = TraceWriter(str(trace_path), meta, **sinks(trace_path, cfg.trace, meta))
     summary: dict[str, Any] | None = None
     try:
         try:

@@ -29,6 +29,7 @@ from pivotrl_hpc.controller.monitor import RoleModel, TrainingView, snapshot
 from pivotrl_hpc.controller.policy import TauTracker
 from pivotrl_hpc.controller.report import NullTrace, Reporter
 from pivotrl_hpc.controller.rl import RLBook, Sample, Task
+from pivotrl_hpc.controller.samples import EvalTally, kept
 from pivotrl_hpc.controller.shifts import Executor, TrainingUnit
 from pivotrl_hpc.engines.vllm.types import Sampling
 from pivotrl_hpc.plan.snapshot import GEN_ROLES, WorkloadSnapshot
@@ -51,7 +52,9 @@ class LoopConfig:
     planner_interval_s: float = 5.0
     log_interval_s: float = 5.0
     step_iterations: int = 4              # engine iterations per Step command
-    eval_every: int = 0
+    eval_every: int = 0                   # and after the last step (0: no evaluation)
+    eval_before_train: bool = False
+    samples: int | str = 4                # texts kept per step (trace.samples)
     judge_greedy: bool = True
     ignore_eos_judge: bool = True
     prebuild: tuple[str, ...] = ()        # engines every device builds asleep at start
@@ -83,8 +86,7 @@ class Controller:
         self._plan_at = 0.0
         self._events = True
         self._bootstrap = bootstrap
-        self._eval_pending: dict[int, int] = {}   # step -> validation samples outstanding
-        self._eval_correct: dict[int, int] = {}
+        self._eval_pending: dict[int, EvalTally] = {}   # step -> its evaluation's counts
         self.checkpoints = None             # controller.checkpointing.Checkpointer (live)
         self.stop_reason: str | None = None  # set to end the job early (a requeue)
         self.prebuilt_s: float | None = None  # when the last device's engines were built
@@ -101,6 +103,8 @@ class Controller:
             self.prebuild()
             if self._bootstrap is not None:   # the start-up allocation: planner row 0
                 self._execute(self.snapshot(), self._bootstrap, None, 0.0)
+            if self.cfg.eval_before_train and self.validation and self.step == 0:
+                self._start_eval(0)
             while not self.done():
                 self.stop_check()
                 self.collect()
@@ -349,7 +353,8 @@ class Controller:
         for rid, info in self.executor.book.replicas.items():
             if info.role == "rollout":
                 self.executor.reload(rid)
-        if self.cfg.eval_every and self.step % self.cfg.eval_every == 0 and self.validation:
+        every = self.cfg.eval_every
+        if every and self.validation and (self.step % every == 0 or self.step == self.cfg.steps):
             self._start_eval(self.step)
         if self.checkpoints is not None and self.checkpoints.due(self.step, self.cfg.steps,
                                                                  self.clock.now()):
@@ -361,18 +366,21 @@ class Controller:
         for s in samples:
             s.batch = -1 - step  # negative: validation of the policy after `step` steps
             self._submit_rollout(s)
-        self._eval_pending[step], self._eval_correct[step] = len(samples), 0
+        self._eval_pending[step] = EvalTally(samples[0].sid, len(samples))
 
+        """pass@1 over every sample of every prompt, overall and per data source."""
     def _validated(self, s: Sample) -> None:
         step = -1 - s.batch
-        self._eval_correct[step] += int(self.task.correct(s.prompt, s.response))
-        self._eval_pending[step] -= 1
+        tally = self._eval_pending[step]
+        correct = self.task.correct(s.prompt, s.response)
+        tally.add(s.prompt.data_source, correct)
+        if s.sid - tally.first_sid < kept(self.cfg.samples, s.sid - tally.first_sid + 1):
+            self.report.sample(s, "eval", step, correct)
         if not self.book.keep_trained:
             del self.book.samples[s.sid]
-        if self._eval_pending[step] == 0:
+        if tally.pending == 0:
             del self._eval_pending[step]
-            size = len(self.validation) * self.book.eval_samples   # pass@1 over the samples
-            self.report.validation(step, self._eval_correct[step] / size)
+            self.report.validation(step, tally.accuracy(), tally.by_source())
 
     # --- monitor, waiting, shutdown ----------------------------------------------------
     def describe(self) -> str:

@@ -13,6 +13,7 @@ import statistics
 from typing import TYPE_CHECKING, Any
 
 from pivotrl_hpc.controller.rl import Sample, lag
+from pivotrl_hpc.controller.samples import kept, sample_row
 from pivotrl_hpc.plan.snapshot import GEN_ROLES, TRAINING, TRAINING_ID
 
 if TYPE_CHECKING:
@@ -23,6 +24,9 @@ log = logging.getLogger(__name__)
 
 class NullTrace:
     def append(self, table: str, **row: Any) -> None:
+        pass
+
+    def update(self, table: str, index: int, **row: Any) -> None:
         pass
 
     def flush(self) -> None:
@@ -46,6 +50,7 @@ class Reporter:
         self.device_work_s = 0.0   # device-seconds in Step / TrainStep (the `work` rows)
         self.migrations = 0        # `migrate` rows: moves from one replica to another
         self._admitted_at = -1     # the version the last admission was checked against
+        self._step_rows: dict[int, int] = {}   # step -> its `steps` row (val_accuracy)
 
     # --- rows --------------------------------------------------------------------------
     def sequence(self, event: str, rec, replica: str, tokens: int | None = None) -> None:
@@ -150,7 +155,10 @@ class Reporter:
                               version=s.batch - lag(s), step=step,
                               prompt_tokens=len(s.prompt.prompt_ids))
         # the data order: which prompts (and samples) this step trained, in sample order
-        self.trace.append("steps", **row, prompts=[[s.prompt.pid, s.sid] for s in samples])
+        self._step_rows[step] = self.trace.append(
+            "steps", **row, prompts=[[s.prompt.pid, s.sid] for s in samples])
+        for s in samples[:kept(self.ctl.cfg.samples, len(samples))]:
+            self.sample(s, "train", step)
         # engine_s: the trainer's own seconds (its step without the command's round trip)
         self.work(row["t"], TRAINING, TRAINING_ID, self.ctl.training.devices, seconds,
                   float(metrics.get("seconds", math.nan)), tokens, False)
@@ -169,10 +177,32 @@ class Reporter:
             self.trace.append("gps", t=now, op="publish", model="policy", version=version,
                               rank=rank, node=node, bytes=size, seconds=seconds)
 
-    def validation(self, step: int, accuracy: float) -> None:
-        self.validations.append({"step": step, "accuracy": accuracy, "t": self.ctl.clock.now()})
-        self.trace.append("events", t=self.ctl.clock.now(), kind="info",
+    def sample(self, s: Sample, kind: str, step: int, correct: bool | None = None) -> None:
+        """A `samples` row: the sample's texts and scores (trace.samples)."""
+        self.trace.append("samples", **sample_row(self.ctl.task, s, kind, step,
+                                                  self.ctl.clock.now(), correct))
+
+    def validation(self, step: int, accuracy: float,
+                   by_source: dict[str, dict[str, float]] | None = None) -> None:
+        """The evaluation of the policy after `step` steps: `validation` rows (all sources,
+        then each), the `val_accuracy` of the step that made the policy, an event."""
+        now, by_source = self.ctl.clock.now(), by_source or {}
+        self.validations.append({"step": step, "accuracy": accuracy, "t": now,
+                                 "by_source": {k: v["accuracy"] for k, v in by_source.items()}})
+        n = sum(v["samples"] for v in by_source.values())
+        self.trace.append("validation", t=now, step=step, data_source="", samples=n,
+                          correct=sum(v["correct"] for v in by_source.values()),
+                          accuracy=accuracy)
+        for source, v in by_source.items():
+            self.trace.append("validation", t=now, step=step, data_source=source, **v)
+        if step - 1 in self._step_rows:   # the step that made this policy (none: before)
+            self.trace.update("steps", self._step_rows[step - 1], val_accuracy=accuracy)
+        self.trace.append("events", t=now, kind="info",
                           message=f"validation after step {step}: accuracy {accuracy:.3f}")
+        self.trace.flush()
+        log.info("validation after step %d: accuracy %.3f%s", step, accuracy, "".join(
+            f", {k} {v['accuracy']:.3f}" for k, v in by_source.items()) if len(by_source) > 1
+            else "")
 
     # --- periodic ----------------------------------------------------------------------
     def tick(self, now: float, last: bool = False) -> None:
@@ -281,6 +311,13 @@ def format_summary(s: dict[str, Any]) -> str:
     if s["validation"]:
         lines.append("  validation accuracy: " + ", ".join(
             f"after {v['step']}: {v['accuracy']:.3f}" for v in s["validation"]))
+        sources = {k for v in s["validation"] for k in v.get("by_source", {})}
+        if len(sources) > 1:
+            lines += [f"    {src}: " + ", ".join(f"after {v['step']}: "
+                                                 f"{v['by_source'][src]:.3f}"
+                                                 for v in s["validation"]
+                                                 if src in v.get("by_source", {}))
+                      for src in sorted(sources)]
     if s.get("idle_fraction") is not None:
         lines.append(f"  device idle fraction {s['idle_fraction']:.2f}")
     rss = s.get("peak_rss_mb") or {}

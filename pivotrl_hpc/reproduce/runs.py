@@ -36,7 +36,7 @@ class Run:
     fractions: bool = False       # also Figure 3's fractions (writes a trace)
     tag: str = ""                 # what the caller groups it by
     # calibrated: the config's include (configs/calibration/) over the H20 datasheet's
-    # derivation; datasheet: the include dropped, the derivation alone
+    # derivation; datasheet: the include's assumptions (ASSUMPTIONS), the derivation alone
     hardware: str = "calibrated"
     keep_trace: str = ""          # a folder to keep a `fractions` run's trace in, for
     #                               `pivotrl report` (<tag>-<paradigm>-<seed>.h5)
@@ -119,14 +119,20 @@ SIMULATED = ("sim", "controller", "sched", "plan", "task", "trace")
 
 
 def load_run(run: Run):
-    """The run's config: with its calibration include (`hardware` calibrated) or without
-    (datasheet: the H20 derivation alone), the run's overrides on top."""
+    """The run's config: with its calibration include (`hardware` calibrated) or with its
+    assumptions only (datasheet: the H20 derivation alone), the run's overrides on top."""
     from pivotrl_hpc.config import load_config
 
     if run.hardware not in HARDWARE:
         raise ValueError(f"hardware {run.hardware!r} is not one of {', '.join(HARDWARE)}")
     return load_config(run.config, run.all_overrides(), check_files=False,
-                       includes=run.hardware == "calibrated")
+                       includes=True if run.hardware == "calibrated" else ASSUMPTIONS)
+
+
+# What `datasheet` keeps of a calibration file: its assumptions (prompts a step, the length
+# distributions; the record's "assumptions"), not its fit (calibration.*) nor Figure 12's
+# shift seconds, so that the two hardware settings run the same workload.
+ASSUMPTIONS = ("rl", "workload")
 
 
 PLANNER_PROFILES = ("exact", "datasheet")

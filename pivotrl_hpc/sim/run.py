@@ -245,7 +245,7 @@ def simulate(cfg: Config, constants: SimConstants, trace_path: str | Path | None
     from pivotrl_hpc.config.load import to_dict
     from pivotrl_hpc.config.paradigm import normalize
     from pivotrl_hpc.trace import TraceWriter
-    from pivotrl_hpc.trace.tensorboard import tensorboard_dir
+    from pivotrl_hpc.trace.loggers import sinks
 
     cfg = normalize(cfg)   # as the launchers do (colocated: training on every device, k=0)
     # the planner charges migrations the prefill the modeled engines charge (no online fit
@@ -260,8 +260,7 @@ def simulate(cfg: Config, constants: SimConstants, trace_path: str | Path | None
         meta = {"config": to_dict(cfg), "paradigm": cfg.paradigm.name, "simulated": True,
                 "constants": constants.to_dict(),
                 "device_ranks": {}}
-        trace = TraceWriter(str(trace_path), meta,
-                            tensorboard=tensorboard_dir(trace_path, cfg.trace.tensorboard))
+        trace = TraceWriter(str(trace_path), meta, **sinks(trace_path, cfg.trace, meta))
     summary = None
     try:
         workers += modeled_workers(cfg, constants, clock)

@@ -93,7 +93,7 @@ class RLTask:
                 continue
             pid = rec.row if split == "train" else VALIDATION_PID - rec.row
             self.records[pid] = rec
-            out.append(PromptData(pid, tuple(ids), rec.problem, rec.answer))
+            out.append(PromptData(pid, tuple(ids), rec.problem, rec.answer, rec.data_source))
         self.filtered[split] = len(dropped)
         caps = (f"models.policy.max_prompt_len={self.cfg.models.policy.max_prompt_len} or "
                 f"models.genrm.max_prompt_len={self.max_judge}")
@@ -181,6 +181,21 @@ class RLTask:
         return score
 
 
+    def describe(self, prompt: PromptData, response_ids: Sequence[int],
+                 judge_ids: Sequence[int]) -> dict[str, str]:
+        """A sample's texts for a person (the trace's `samples` rows): the prompt as the
+        policy saw it, the response, the judgement and how it was read (parsed, unparsed,
+        truncated: the thinking never closed; "" when there is no judgement)."""
+        judgement = self.genrm.decode(judge_ids) if judge_ids else ""
+        outcome = ""
+        if judge_ids:
+            j = parse_judgement(judgement, self.rule, self.opens_thinking)
+            outcome = "parsed" if j.parsed else "truncated" if j.truncated else "unparsed"
+        return {"prompt": self.policy.decode(prompt.prompt_ids),
+                "response": self.policy.decode(response_ids), "judgement": judgement,
+                "parse": outcome}
+
+
 _BUILT: dict[str, tuple[RLTask, list[PromptData], list[PromptData]]] = {}
 
 
@@ -213,7 +228,13 @@ def _build(cfg: Config) -> tuple[RLTask, list[PromptData], list[PromptData]]:
     train = task.load("train")
     task.dry_check(train[0])
     validation: list[PromptData] = []
-    has_validation = cfg.data.validation or cfg.data.format == "synthetic"
-    if has_validation and cfg.rl.eval_every:
+    used = cfg.rl.eval_every > 0 or cfg.rl.eval_before_train
+    if cfg.data.validation and cfg.data.format != "synthetic":
+        validation = task.load("validation", cfg.rl.eval_prompts)   # checked when set
+        if not used:
+            log.warning("data.validation %s is set but never evaluated (rl.eval_every is 0 "
+                        "and rl.eval_before_train false); set rl.eval_every: N to evaluate "
+                        "every N steps and after the last", cfg.data.validation)
+    elif cfg.data.format == "synthetic" and used:
         validation = task.load("validation", cfg.rl.eval_prompts)
-    return task, task.training_order(train), validation
+    return task, task.training_order(train), validation if used else []

@@ -11,6 +11,7 @@ class PromptData:
     prompt_ids: tuple[int, ...]  # rendered by the policy's chat template
     problem: str                 # what the GenRM's {problem} shows
     answer: str                  # the ground truth
+    data_source: str = ""        # the row's data_source (accuracy per source, samples)
 
 
 @dataclass(frozen=True)

@@ -63,6 +63,15 @@ TABLES: dict[str, dict[str, str]] = {
                   "held_s": "float"},
     "start": {"t": "float", "step": "int", "version": "int", "staleness": "int",
               "held_s": "float", "unparsed": "int", "tau": "json", "tau_counts": "json"},
+    "samples": {
+        "t": "float", "step": "int", "kind": SHORT, "sample": "int", "data_source": NAME,
+        "version": "int", "prompt": "json", "response": "json", "judgement": "json",
+        "parse": SHORT, "verifiable": "float", "genrm": "float", "reward": "float",
+        "correct": "int", "prompt_tokens": "int", "response_tokens": "int",
+        "judge_tokens": "int",
+    },
+    "validation": {"t": "float", "step": "int", "data_source": NAME, "samples": "int",
+                   "correct": "int", "accuracy": "float"},
 }
 
 

@@ -45,12 +45,16 @@ class TraceWriter:
     """One run's trace. ``append`` buffers; ``flush`` makes the rows visible to readers."""
 
     def __init__(self, path: str | os.PathLike, meta: dict | None = None,
-                 write_every: int = WRITE_EVERY, tensorboard: str | os.PathLike | None = None):
+                 write_every: int = WRITE_EVERY, tensorboard: str | os.PathLike | None = None,
+                 loggers: tuple = ()):
         """`tensorboard`: a folder that also receives every `steps` row's numbers as
-        TensorBoard scalars (`steps/<column>` at the row's step)."""
+        TensorBoard scalars (`steps/<column>` at the row's step). `loggers`: more sinks
+        (trace.loggers, e.g. trace.wandb.WandbLogger) that get every `steps`, `validation`
+        and `samples` row as it is appended (`row(table, cells)`) and `close()`."""
         check_schema(TABLES)
         self.path = Path(path)
         self._tb = EventWriter(tensorboard) if tensorboard is not None else None
+        self._loggers = list(loggers)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._start = time.monotonic()
         self._write_every = max(1, int(write_every))
@@ -87,10 +91,10 @@ class TraceWriter:
         """Seconds since this writer was created (the default of a row's ``t``)."""
         return time.monotonic() - self._start
 
-    def append(self, table: str, **row: Any) -> None:
-        """Buffer one row. Unknown table/column or an unconvertible value: ValueError.
-        Missing columns get defaults (``t``: ``now()``; floats nan, ints -1, strings "",
-        json null)."""
+    def append(self, table: str, **row: Any) -> int:
+        """Buffer one row; returns its index in the table. Unknown table/column or an
+        unconvertible value: ValueError. Missing columns get defaults (``t``: ``now()``;
+        floats nan, ints -1, strings "", json null)."""
         columns = check_row(table, row)
         if row.get("t") is None:
             row["t"] = self.now()
@@ -102,10 +106,45 @@ class TraceWriter:
                 self._tb.scalars(int(cells["step"]), {
                     f"steps/{c}": float(cells[c]) for c, ctype in columns.items()
                     if ctype in ("float", "int") and c not in ("t", "step")})
+            if table == "validation" and self._tb is not None:
+                self._tb.scalars(int(cells["step"]), {
+                    f"validation/accuracy/{row.get('data_source') or 'all'}":
+                        float(cells["accuracy"])})
+            for logger in self._loggers:
+                logger.row(table, row)
             buf = self._buffers[table]
             buf.append(cells)
+            index = self._written[table] + len(buf) - 1
             if len(buf) >= self._write_every:
                 self._write_table(table)
+            return index
+
+    def update(self, table: str, index: int, **row: Any) -> None:
+        """Set cells of row `index` appended earlier (a `steps` row's `val_accuracy`,
+        known once its evaluation ends); visible to readers after the next `flush()`.
+        Numbers and strings only: a json cell is a slice of its blob."""
+        columns = check_row(table, row)
+        with self._lock:
+            self._check_open()
+            if not 0 <= index < self._written[table] + len(self._buffers[table]):
+                raise ValueError(f"{table} has no row {index}")
+            for column, value in row.items():
+                if columns[column] == "json":
+                    raise ValueError(f"{table}.{column}: a json cell cannot be updated")
+                cell = encode_value(table, column, columns[column], value)
+                if index >= self._written[table]:
+                    self._buffers[table][index - self._written[table]][column] = cell
+                else:
+                    self._file[table][column][index] = cell
+            if table == "steps" and self._tb is not None:
+                self._tb.scalars(self._cell(table, index, "step"), {
+                    f"steps/{c}": float(v) for c, v in row.items()
+                    if columns[c] in ("float", "int")})
+
+    def _cell(self, table: str, index: int, column: str) -> int:
+        if index >= self._written[table]:
+            return int(self._buffers[table][index - self._written[table]][column])
+        return int(self._file[table][column][index])
 
     def flush(self) -> None:
         """Write all buffered rows and make them visible to SWMR readers."""
@@ -162,6 +201,8 @@ class TraceWriter:
                 self._file.close()
                 if self._tb is not None:
                     self._tb.close()
+                for logger in self._loggers:
+                    logger.close()
         log.info("trace %s closed", self.path)
 
     @property
