@@ -106,10 +106,11 @@ def _locate() -> tuple[Path, Path]:
     root = Path(os.environ.get("PIVOTRL_SHM_DIR", "/dev/shm"))
     try:
         suffix = user_suffix()
-    except (OSError, FolderRefused) as e:   # no home to keep it in: this process's own
-        log.warning("GPS folder suffix not kept (%s); set PIVOTRL_GPS_DIR so that every "
-                    "process of a job finds one folder", e)
-        suffix = secrets.token_hex(8)
+    except (OSError, FolderRefused) as e:   # no home to keep it in: a fresh one, published
+        suffix = secrets.token_hex(8)          # to this process's children (the job's ranks)
+        os.environ[FOLDER_ENV] = str(root / f"pivotrl-u{uid}-{suffix}")
+        log.warning("GPS folder suffix not kept (%s): using %s for this process and its "
+                    "children", e, os.environ[FOLDER_ENV])
     return root, root / f"pivotrl-u{uid}-{suffix}"
 
 
@@ -178,10 +179,15 @@ def reserve_file(fd: int, path: Path, offset: int, length: int) -> None:
                              f"{max(0, length - free)} missing): {e.strerror}") from None
 
 
+def valid_job(job: str) -> bool:
+    """A job id (launch.layout.job_id's alphabet), safe in a name pattern."""
+    return bool(_JOB.fullmatch(job))
+
+
 def job_files(job: str) -> list[Path]:
     """The files of `job` in the folder; a job id is checked before it makes a pattern
     (issue 46: a marker holding `*` swept every job's files)."""
-    if not _JOB.fullmatch(job):
+    if not valid_job(job):
         raise ValueError(f"{job!r} is not a job id")
     return sorted(SHM_DIR.glob(f"pivotrl-{job}-*"))
 
