@@ -9,6 +9,7 @@ import json
 import logging
 import math
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -61,6 +62,10 @@ def test_val_accuracy_in_steps_at_every_evaluation_the_last_and_before_training(
         assert all(r["accuracy"] == r["correct"] / r["samples"] for r in rows)
         got = next(v for v in summary["validation"] if v["step"] == k)
         assert got["by_source"] == {r["data_source"]: r["accuracy"] for r in per}
+    for r in (r for r in rows if r["data_source"] == ""):   # the versions that generated it
+        assert sum(r["versions"].values()) == r["samples"]
+        assert all(int(v) >= r["step"] for v in r["versions"])
+    assert all(r["versions"] is None for r in rows if r["data_source"])
     assert all(r.ok for r in check(path)), [r.line() for r in check(path) if not r.ok]
 
 
@@ -174,10 +179,15 @@ def test_wandb_offline_logs_step_metrics_under_verl_names_and_a_samples_table(
     path, summary = _modeled(tmp_path, loggers=(logger,))
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1
-    data = next(runs[0].glob("run-*.wandb")).read_bytes()
-    for name in ("training/global_step", "critic/score/mean", "actor/pg_loss",
-                 "timing_s/step", "pivotrl/genrm_mean", "pivotrl/unparsed",
-                 "val-core/aime/acc/mean@1", "val-core/all/acc/mean@1"):
+    names = ("training/global_step", "critic/score/mean", "actor/pg_loss", "timing_s/step",
+             "pivotrl/genrm_mean", "pivotrl/unparsed", "val-core/aime/acc/mean@1",
+             "val-core/all/acc/mean@1")
+    for _ in range(120):   # wandb's service process may still be writing the run file
+        data = next(runs[0].glob("run-*.wandb")).read_bytes()
+        if all(n.encode() in data for n in names):
+            break
+        time.sleep(0.5)
+    for name in names:
         assert name.encode() in data, name
     table = json.loads(next(runs[0].rglob("samples_*.table.json")).read_text())
     assert table["columns"][:4] == ["step", "kind", "data_source", "prompt"]

@@ -368,19 +368,20 @@ class Controller:
             self._submit_rollout(s)
         self._eval_pending[step] = EvalTally(samples[0].sid, len(samples))
 
-        """pass@1 over every sample of every prompt, overall and per data source."""
     def _validated(self, s: Sample) -> None:
+        """pass@1 over every sample of every prompt, overall and per data source."""
         step = -1 - s.batch
         tally = self._eval_pending[step]
         correct = self.task.correct(s.prompt, s.response)
-        tally.add(s.prompt.data_source, correct)
+        tally.add(s.prompt.data_source, correct, s.version)
         if s.sid - tally.first_sid < kept(self.cfg.samples, s.sid - tally.first_sid + 1):
             self.report.sample(s, "eval", step, correct)
         if not self.book.keep_trained:
             del self.book.samples[s.sid]
         if tally.pending == 0:
             del self._eval_pending[step]
-            self.report.validation(step, tally.accuracy(), tally.by_source())
+            self.report.validation(step, tally.accuracy(), tally.by_source(),
+                                   dict(tally.versions))
 
     # --- monitor, waiting, shutdown ----------------------------------------------------
     def describe(self) -> str:

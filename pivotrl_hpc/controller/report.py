@@ -183,16 +183,22 @@ class Reporter:
                                                   self.ctl.clock.now(), correct))
 
     def validation(self, step: int, accuracy: float,
-                   by_source: dict[str, dict[str, float]] | None = None) -> None:
+                   by_source: dict[str, dict[str, float]] | None = None,
+                   versions: dict[int, int] | None = None) -> None:
         """The evaluation of the policy after `step` steps: `validation` rows (all sources,
-        then each), the `val_accuracy` of the step that made the policy, an event."""
-        now, by_source = self.ctl.clock.now(), by_source or {}
+        then each; `versions`: samples per generating policy version), the `val_accuracy`
+        of the step that made the policy, an event."""
+        now, by_source, versions = self.ctl.clock.now(), by_source or {}, versions or {}
+        if set(versions) - {step}:
+            log.warning("evaluation after step %d: samples per policy version %s (a rollout "
+                        "replica reloaded a newer policy before serving them)", step,
+                        dict(sorted(versions.items())))
         self.validations.append({"step": step, "accuracy": accuracy, "t": now,
                                  "by_source": {k: v["accuracy"] for k, v in by_source.items()}})
         n = sum(v["samples"] for v in by_source.values())
         self.trace.append("validation", t=now, step=step, data_source="", samples=n,
                           correct=sum(v["correct"] for v in by_source.values()),
-                          accuracy=accuracy)
+                          accuracy=accuracy, versions=versions)
         for source, v in by_source.items():
             self.trace.append("validation", t=now, step=step, data_source=source, **v)
         if step - 1 in self._step_rows:   # the step that made this policy (none: before)

@@ -57,10 +57,14 @@ class EvalTally:
         self.first_sid, self.pending = first_sid, size
         self.total: Counter[str] = Counter()
         self.correct: Counter[str] = Counter()
+        # samples per policy version that generated them (its oldest token's): a rollout
+        # replica may reload to a newer policy before it serves an evaluation's samples
+        self.versions: Counter[int] = Counter()
 
-    def add(self, source: str, correct: bool) -> None:
+    def add(self, source: str, correct: bool, version: int | None = None) -> None:
         self.total[source] += 1
         self.correct[source] += int(correct)
+        self.versions[-1 if version is None else version] += 1
         self.pending -= 1
 
     def accuracy(self) -> float:

@@ -88,7 +88,8 @@ class Trace:
         if ctype == "json":
             blob_ds = group[f"{column}_json"]
             blob_ds.refresh()
-            blob = blob_ds[: int(values[-1])].tobytes() if n else b""
+            # len(values), not n: a file whose schema attr lost a table reads past its rows
+            blob = blob_ds[: int(values[-1])].tobytes() if len(values) else b""
             return _decode_json(values, blob)
         if str_width(ctype) is not None:
             return _decode_strings(values)

@@ -71,7 +71,7 @@ TABLES: dict[str, dict[str, str]] = {
         "judge_tokens": "int",
     },
     "validation": {"t": "float", "step": "int", "data_source": NAME, "samples": "int",
-                   "correct": "int", "accuracy": "float"},
+                   "correct": "int", "accuracy": "float", "versions": "json"},
 }
 
 
