@@ -54,7 +54,7 @@ def test_r_dapo_and_the_judge_prompt_of_a_long_response(built):
     ids = task.judge_prompt(p, long)
     assert len(ids) <= cfg.models.genrm.max_prompt_len
     judge_text = task.genrm.tok.decode(ids)
-    assert f"Answer: {p.answer}" in judge_text and "Correct? Answer yes or no." in judge_text
+    assert f"Answer: {p.answer}" in judge_text and "Verdict (yes or no)?" in judge_text
     rng = random.Random(0)   # random tokens re-encode up to 3x longer: still cut to fit
     for _ in range(200):
         response = [rng.randrange(512) for _ in range(rng.randrange(1, 64))]

@@ -102,27 +102,40 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     return data
 
 
-def resolve_paths(cfg: Config, base: Path) -> Config:
-    """Relative paths (models, data, trace, throughput profile) are relative to the config
-    file's folder, overrides included: pass absolute paths to put a run elsewhere."""
-    def fix(key: str, p: str) -> str:
+def resolve_paths(cfg: Config, base: Path, check_files: bool = True) -> Config:
+    """Relative paths: the task's input files (data, a template file, a compute_score file)
+    where the command runs (cwd) or else in the config file's folder (an error names both
+    when neither has it); models, trace and throughput profile in the config's folder."""
+    def fix(key: str, p: str, root: Path = base) -> str:
         try:
             p.encode("utf-8")
-            return str((base / p).resolve()) if p and not Path(p).is_absolute() else p
+            return str((root / p).resolve()) if p and not Path(p).is_absolute() else p
         except (ValueError, OSError) as e:   # a NUL byte, a lone surrogate, a loop
             raise ConfigError(key, f"{p!r} is not a usable path ({e})") from None
+
+    def given(key: str, p: str, needed: bool = True) -> str:
+        here, there = fix(key, p, Path.cwd()), fix(key, p)
+        if Path(here).exists() or here == there:
+            return here
+        if Path(there).exists():
+            return there
+        if check_files and needed:
+            raise ConfigError(key, f"{p} is in neither {Path.cwd()} (where the command runs) "
+                                   f"nor {base} (the config file's folder)")
+        return here
 
     for name in ("policy", "genrm"):
         m = getattr(cfg.models, name)
         m.path = fix(f"models.{name}.path", m.path)
-    cfg.data.train = fix("data.train", cfg.data.train)
-    cfg.data.validation = fix("data.validation", cfg.data.validation)
+    files = cfg.data.format != "synthetic"
+    cfg.data.train = given("data.train", cfg.data.train, files)
+    cfg.data.validation = given("data.validation", cfg.data.validation, files)
     r = cfg.reward   # a template file or a compute_score file, not a family or module name
     if "/" in r.genrm_template or r.genrm_template.endswith((".txt", ".jinja")):
-        r.genrm_template = fix("reward.genrm_template", r.genrm_template)
+        r.genrm_template = given("reward.genrm_template", r.genrm_template)
     where, colon, name = r.verifiable.rpartition(":")
     if colon and where.endswith(".py"):
-        r.verifiable = fix("reward.verifiable", where) + ":" + name
+        r.verifiable = given("reward.verifiable", where) + ":" + name
     cfg.trace.path = fix("trace.path", cfg.trace.path)
     cfg.paradigm.throughput_profile = fix("paradigm.throughput_profile",
                                           cfg.paradigm.throughput_profile)
@@ -240,7 +253,7 @@ def load_explained(path: str | Path | None, overrides: list[str] = (), *,
     from pivotrl_hpc.config.validate import validate
 
     data, origins, base = layered(path, overrides, includes=includes)
-    cfg = resolve_paths(build(Config, data), base)
+    cfg = resolve_paths(build(Config, data), base, check_files)
     _check_calibration(cfg)
     validate(cfg, check_files=check_files)
     return cfg, origins

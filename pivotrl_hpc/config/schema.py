@@ -228,6 +228,13 @@ class DataConfig:
 
 
 @dataclass
+class RewardWeights:
+    """R = verifiable x R_verifiable + genrm x R_GenRM; the paper's R is the plain sum."""
+    verifiable: float = 1.0
+    genrm: float = 1.0
+
+
+@dataclass
 class RewardConfig:
     """R = R_verifiable + R_GenRM (paper §8.1; pivotrl_hpc.task.rewards, task.judge)."""
     # dapo (DAPO's "Answer:" rule, +1/-1), math_verify, or the user's veRL compute_score as
@@ -243,6 +250,7 @@ class RewardConfig:
     genrm_regex: str = ""
     genrm_default: float = 0.0    # the score of an unparseable or truncated judgement
     genrm_thinking: bool = True   # enable_thinking, where the GenRM's chat template takes it
+    weights: RewardWeights = field(default_factory=RewardWeights)
 
 
 @dataclass

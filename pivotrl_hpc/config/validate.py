@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from pathlib import Path
 
 from pivotrl_hpc.config import run_checks
@@ -298,6 +299,14 @@ def _task_settings(cfg: Config) -> None:
     if not 0.0 <= r.genrm_default <= 1.0:
         raise ConfigError("reward.genrm_default", f"{r.genrm_default!r} must lie in [0, 1], "
                                                   "the GenRM score's range")
+    w = r.weights
+    for name in ("verifiable", "genrm"):
+        if not 0.0 <= getattr(w, name) < math.inf:
+            raise ConfigError(f"reward.weights.{name}", f"{getattr(w, name)!r} must be a "
+                              "finite weight >= 0 (the paper's R = R_verifiable + R_GenRM: 1, 1)")
+    if w.verifiable == w.genrm == 0:
+        raise ConfigError("reward.weights", "both weights are 0: the reward would be 0 for "
+                                            "every sample, and GRPO would learn nothing")
     if r.genrm_parse == "regex" and not r.genrm_regex:
         raise ConfigError("reward.genrm_regex", "is empty; genrm_parse: regex needs a pattern "
                                                 "whose first group is the score")
@@ -326,11 +335,11 @@ def _task_files(cfg: Config) -> dict[str, str]:
 
 def validate(cfg: Config, check_files: bool = True) -> None:
     _positive(cfg)
+    _memory(cfg)
     _replicas(cfg)
     _training(cfg)
     _checkpoints(cfg, check_files)
     _architectures(cfg)
-    _memory(cfg)
     _task_settings(cfg)
     run_checks.trace_settings(cfg)
     if check_files:

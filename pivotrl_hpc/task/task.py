@@ -176,7 +176,9 @@ class RLTask:
     def score(self, prompt: PromptData, response_ids: Sequence[int],
               judge_ids: Sequence[int]) -> Score:
         j = parse_judgement(self.genrm.decode(judge_ids), self.rule, self.opens_thinking)
-        score = Score(self.verdict(prompt, response_ids).score, j.score, j.parsed)
+        w = self.cfg.reward.weights
+        score = Score(self.verdict(prompt, response_ids).score, j.score, j.parsed,
+                      w.verifiable, w.genrm)
         self._texts.pop(id(response_ids), None)   # its last use
         return score
 

@@ -19,8 +19,10 @@ class Score:
     verifiable: float   # R_verifiable: the configured compute_score (DAPO: +1 / -1)
     genrm: float        # R_GenRM: the parsed judgement in [0, 1] (reward.genrm_default if none)
     parsed: bool        # False: the judgement had no score (counted)
+    w_verifiable: float = 1.0   # reward.weights
+    w_genrm: float = 1.0
 
     @property
     def reward(self) -> float:
-        """R = R_verifiable + R_GenRM (§8.1), halved to keep the arithmetic task's 0-1 scale."""
-        return 0.5 * (self.verifiable + self.genrm)
+        """R = R_verifiable + R_GenRM (§8.1), each times its reward.weights (default 1)."""
+        return self.w_verifiable * self.verifiable + self.w_genrm * self.genrm
