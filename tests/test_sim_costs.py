@@ -113,3 +113,24 @@ def test_training_time_does_not_scale_perfectly_with_width(tmp_path):
     big, small = 512 * 1300, 8 * 1300
     assert 3.5 < step(narrow, big) / step(wide, big) < 3.99
     assert step(narrow, small) / step(wide, small) < 2.5
+
+
+def test_dispatch_picks_the_best_replica_under_the_moe_model(tmp_path):
+    """The Dispatch index's bucketed arg-max (sched/index.py) uses the model's FFN term at
+    n and n + 1, so under the MoE model (weight reads growing with the batch) it finds the
+    replica a full scan of ΔT finds."""
+    import random
+
+    from pivotrl_hpc.sched.index import DispatchIndex
+
+    g = constants(tmp_path).throughput["genrm"]
+    rng = random.Random(0)
+    for _ in range(200):
+        reps = [(rng.randint(0, 60), rng.randint(0, 400_000)) for _ in range(12)]
+        n, t = [r[0] for r in reps], [r[1] for r in reps]
+        index = DispatchIndex.from_counts(g, list(n), list(t), [500_000] * 12)
+        assert index.best is not index._best_scan     # the bucketed path, as in a run
+        length = rng.randint(100, 20_000)
+        want = max((g.gain(a, b, length), -i) for i, (a, b) in enumerate(reps)
+                   if 500_000 - b >= length)
+        assert index.best(length) == -want[1]

@@ -120,11 +120,12 @@ class DispatchIndex:
         return (t, pos, (lim, room, n + 1, at + c1, thr, pos, x_max, peak))
 
     def _bucket_constants(self, key: tuple[int, int]) -> tuple:
-        """Per (n, capacity): c0 = max(B, C n) + D, c1 = max(B, C (n+1)) + D, and the
+        """Per (n, capacity): c0 = max(B, C n) + D, c1 = max(B, C (n+1)) + D (the FFN term
+        of the model at n and n + 1: `ffn_seconds`), and the
         factor sqrt((n+1)/n) - 1 locating the gain's peak (module docstring)."""
         m: ThroughputModel = self.model  # type: ignore[assignment]
         n = key[0]
-        mn, mn1 = max(m.B, m.C * n), max(m.B, m.C * (n + 1))
+        mn, mn1 = m.ffn_seconds(n), m.ffn_seconds(n + 1)   # an MoE model's grows with n
         kn = math.sqrt((n + 1) / n) - 1.0 if n else 0.0
         dm = (mn1 - mn) if n else -_INF  # n = 0: gain falls with t, the head always wins
         c0, c1 = mn + m.D, mn1 + m.D

@@ -39,7 +39,11 @@ class ThroughputModel:
 
     def latency(self, n_seq: int, n_tok: int) -> float:
         """Inter-token latency in seconds."""
-        return self.A * n_tok + max(self.B, self.C * n_seq) + self.D
+        return self.A * n_tok + self.ffn_seconds(n_seq) + self.D
+
+    def ffn_seconds(self, n_seq: int) -> float:
+        """The FFN's share of an iteration: weight-load bound (B) or compute bound (C n)."""
+        return max(self.B, self.C * n_seq)
 
     def throughput(self, n_seq: int, n_tok: int) -> float:
         if n_seq <= 0:
@@ -90,8 +94,8 @@ class MoEThroughputModel(ThroughputModel):
         touched = 1.0 - (1.0 - self.top_k / self.experts) ** max(n_seq, 0)
         return self.B + self.expert_B * touched
 
-    def latency(self, n_seq: int, n_tok: int) -> float:
-        return self.A * n_tok + max(self.weight_seconds(n_seq), self.C * n_seq) + self.D
+    def ffn_seconds(self, n_seq: int) -> float:
+        return max(self.weight_seconds(n_seq), self.C * n_seq)
 
     def to_dict(self) -> dict[str, float]:
         return {**super().to_dict(), "expert_B": self.expert_B, "experts": self.experts,
