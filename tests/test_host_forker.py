@@ -67,7 +67,8 @@ def test_a_hosts_exit_code_comes_from_the_forker_and_survives_its_death(tiny_mod
         os.kill(first.pid, signal.SIGKILL)
         first._proc.join(10)
         assert first._proc.exitcode == -signal.SIGKILL
-        os.kill(host_forker.server_pid(), signal.SIGKILL)
+        server = host_forker.server_pid()
+        os.kill(server, signal.SIGKILL)
         # the forker is gone, the host is not: still alive, still answering
         time.sleep(0.2)
         assert second._proc.exitcode is None and second.call("preload") < 1.0
@@ -75,6 +76,14 @@ def test_a_hosts_exit_code_comes_from_the_forker_and_survives_its_death(tiny_mod
         second._proc.join(10)
         assert second._proc.exitcode == host_forker.UNKNOWN_EXIT
         assert not alive(second.pid)
+        # a worker whose forker was killed gets its next host from a new one (issue 47)
+        third = EngineHost(tiny_models / "policy", start=False, name="third")
+        try:
+            third.preloaded()
+            assert ppid(third.pid) == host_forker.server_pid() != server
+            assert third.call("preload") < 1.0
+        finally:
+            third.close()
     finally:
         first.close()
         second.close()

@@ -229,10 +229,9 @@ def _start(name: str) -> bool:
 def fork_host(worker_pid: int, name: str, env: dict[str, str], conn_fd: int) -> ForkedHost:
     """Fork an engine host (`engine_host_child.run(conn, worker_pid, name, env)`) from this
     node's forker; `conn_fd` is the host's end of its pipe (the caller closes its copy)."""
-    server_pid()   # a forker that took this session stays until it ends: no reset below
     status_r, status_w = os.pipe()
     try:
-        with _connect(_Session.name) as sock:
+        with _fork_connection() as sock:
             payload = FORKER_WIRE.encode(ForkRequest(worker_pid, name, env))
             socket.send_fds(sock, [FORK + REQUEST_LEN.pack(len(payload)) + payload],
                             [conn_fd, status_w, sys.stderr.fileno()])
@@ -247,6 +246,21 @@ def fork_host(worker_pid: int, name: str, env: dict[str, str], conn_fd: int) -> 
 
     cgroup.follow(pid)
     return host
+
+
+def _fork_connection() -> socket.socket:
+    """A connection to the forker of this process's session. A forker that took the session
+    stays until it ends, so no reset can come after this; one that is gone (killed: the
+    connection is refused, nothing was sent) is replaced by a new one."""
+    server_pid()
+    try:
+        return _connect(_Session.name)
+    except ConnectionRefusedError:
+        log.warning("engine host forker %s (pid %s) is gone: starting a new one",
+                    _Session.name, _Session.pid)
+        leave()
+        server_pid()
+        return _connect(_Session.name)
 
 
 def recv_exact(sock: socket.socket, n: int) -> bytes:
