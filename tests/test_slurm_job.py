@@ -117,6 +117,37 @@ def test_shiftable_on_two_nodes_completes_three_steps(shiftable):
     assert "end-to-end" in res.output and "peak RSS: worker ranks" in res.output
 
 
+def test_the_live_job_keeps_readable_samples_and_val_accuracy(shiftable):
+    """Issue 48 on the live two-node job (no run of its own): the first 4 samples of every
+    step and of the evaluation after the last step kept with their texts, val_accuracy in
+    the last step's row (the evaluation after step 3), and `pivotrl trace samples`."""
+    import math
+    import subprocess
+    import sys
+
+    from pivotrl_hpc.trace import open_trace
+
+    with open_trace(str(shiftable["trace"])) as t:
+        steps, kept, val = t.table("steps"), t.table("samples"), t.table("validation")
+    accuracy = shiftable["summary"]["validation"][0]["accuracy"]
+    assert math.isnan(steps["val_accuracy"][0]) and math.isnan(steps["val_accuracy"][1])
+    assert steps["val_accuracy"][2] == accuracy
+    assert [(int(s), d) for s, d in zip(val["step"], val["data_source"])] == [
+        (3, ""), (3, "aime24")]
+    kinds = list(kept["kind"])
+    assert kinds.count("train") == 3 * 4 and kinds.count("eval") == 4
+    for i, kind in enumerate(kinds):
+        assert "Answer:" in kept["prompt"][i] and kept["response_tokens"][i] > 0
+        if kind == "train":
+            assert kept["parse"][i] in ("parsed", "unparsed", "truncated")
+            assert kept["judge_tokens"][i] > 0 and isinstance(kept["judgement"][i], str)
+            assert kept["data_source"][i] == "math_dapo"
+    p = subprocess.run([sys.executable, "-m", "pivotrl_hpc.cli.main", "trace", "samples",
+                        str(shiftable["trace"])], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and p.stdout.count("== step ") == 12, p.stderr
+    assert p.stdout.count("judgement (") == 12 and "16 of 16 kept samples" in p.stderr
+
+
 def test_trace_shows_ranks_on_both_nodes_and_writes_replicated_to_both(shiftable):
     from pivotrl_hpc.trace import open_trace
 
