@@ -258,6 +258,13 @@ while time.monotonic() < end:
 """
 
 
+def _sweep(job: str) -> None:
+    """What a killed agent left (a failed run): /dev/shm is clean on every exit."""
+    from pivotrl_hpc.gps import segment
+
+    segment.sweep(job)
+
+
 def _serve(tiny_models, job: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "pivotrl_hpc.cli.main", "gps", "serve",
                              "--job", job, "--node", "n0", "--model",
@@ -299,6 +306,7 @@ def test_nobody_churning_the_agents_backlog_fails_none_of_the_jobs_connects(tiny
             c.wait()
         agent.kill()
         agent.wait()
+        _sweep(job)
 
 
 # ---- a stopped agent -------------------------------------------------------------------------
@@ -333,3 +341,4 @@ def test_a_stopped_agent_fails_a_request_in_seconds_naming_the_state(tiny_models
         os.kill(agent.pid, signal.SIGCONT) if agent.poll() is None else None
         agent.kill()
         agent.wait()
+        _sweep(job)
