@@ -25,6 +25,17 @@ def tiny_models(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def warm_models(tmp_path_factory) -> Path:
+    """As `pivotrl init-models` writes them: the same folders and data (64 training
+    problems), the policy and the GenRM warm-started on the training set."""
+    from pivotrl_hpc.cli.init_models import init_models
+
+    out = tmp_path_factory.mktemp("warm")
+    init_models(out, train=64, validation=16)
+    return out
+
+
+@pytest.fixture(scope="session")
 def genrm_archs(tmp_path_factory) -> dict[str, Path]:
     """Tiny GenRMs of the paper's architectures (GenRM sizes), as `init-models --genrm-arch`
     writes them: arch -> folder."""

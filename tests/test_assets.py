@@ -72,7 +72,7 @@ def test_tokenizer_is_byte_level_bpe_with_a_chat_template_and_deterministic(tiny
 
 def test_init_models_cli(tmp_path):
     out = subprocess.run([sys.executable, "-m", "pivotrl_hpc.cli.main", "init-models",
-                          str(tmp_path), "--train", "8", "--validation", "2"],
+                          str(tmp_path), "--train", "8", "--validation", "2", "--random"],
                          capture_output=True, text=True, check=True)
     summary = json.loads(out.stdout)
     assert summary["policy"]["parameters"] == 1_444_096

@@ -47,7 +47,7 @@ FAMILIES: dict[str, Family] = {
     "qwen3": Family("qwen3.txt", ParseRule("boxed", 0.1)),
     # Qwen3.5-122B-A10B: thinks, then a one-word verdict line
     "qwen3.5": Family("qwen3.5.txt", ParseRule("yesno", 1.0)),
-    # the tiny CPU GenRM (warm-started by init-models to write the verdict line)
+    # the tiny CPU GenRM (warm-started by init-models to answer yes or no)
     "tiny": Family("tiny.txt", ParseRule("yesno", 1.0)),
 }
 
