@@ -1,0 +1,76 @@
+"""`pivotrl init-models`' warm start (issue 48): the tiny policy writes DAPO's `Answer: N`
+some of the time but not always and is right some of the time, so the rewards of a group
+differ (a random-weight policy wrote the line 2 times in 2,048: every group's rewards were
+equal, GRPO's loss exactly 0); the tiny GenRM answers yes or no, and mostly rightly.
+Sampled with transformers (seeded) on the training prompts, as the run renders them."""
+from __future__ import annotations
+
+import pytest
+
+from pivotrl_hpc.assets.dataset import dapo_row, make_split
+from pivotrl_hpc.task.judge import FAMILIES, fill, parse_judgement, template_text
+from pivotrl_hpc.task.rewards import dapo_score
+
+PROMPTS, GROUP = 24, 4
+
+
+def load(folder):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(folder))
+    model.generation_config.eos_token_id = None   # budget mode: EOS ignored, as the run's
+    return AutoTokenizer.from_pretrained(str(folder)), model
+
+
+def generate(tok, model, text: str, n: int, new: int, sample: bool) -> list[str]:
+    import torch
+
+    ids = torch.tensor([tok(text, add_special_tokens=False)["input_ids"]] * n)
+    out = model.generate(ids, do_sample=sample, temperature=1.0 if sample else None,
+                         top_k=0 if sample else None, max_new_tokens=new, pad_token_id=0)
+    return [tok.decode(o[ids.shape[1]:], skip_special_tokens=True) for o in out]
+
+
+def chat(tok, content: str) -> str:
+    return tok.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                   add_generation_prompt=True)
+
+
+@pytest.fixture(scope="module")
+def sampled(warm_models):
+    import torch
+
+    torch.manual_seed(0)
+    tok, policy = load(warm_models / "policy")
+    rows = [dapo_row(p, "") for p in make_split(0, PROMPTS)]
+    return [(row, generate(tok, policy, chat(tok, row["prompt"][0]["content"]), GROUP, 12,
+                           True)) for row in rows]
+
+
+def test_the_policy_answers_in_the_format_some_of_the_time_and_rightly_some(sampled):
+    texts = [t for _, group in sampled for t in group]
+    answered = sum("Answer:" in t for t in texts) / len(texts)
+    scores = [[dapo_score("", t, row["reward_model"]["ground_truth"])["score"] for t in group]
+              for row, group in sampled]
+    right = sum(s == 1.0 for g in scores for s in g) / len(texts)
+    varied = sum(len(set(g)) > 1 for g in scores)
+    print(f"answered {answered:.2f}, right {right:.2f}, groups with varied rewards "
+          f"{varied}/{len(scores)}")
+    assert 0.3 <= answered < 1.0 and 0.05 <= right < 0.9 and varied >= len(scores) // 5
+
+
+def test_the_genrm_writes_a_parseable_verdict_mostly_right(warm_models, sampled):
+    tok, genrm = load(warm_models / "genrm")
+    rule, template = FAMILIES["tiny"].rule, template_text("tiny")
+    parsed = agree = n = 0
+    for row, group in sampled[:8]:
+        truth = row["reward_model"]["ground_truth"]
+        for response in group:
+            text = fill(template, row["prompt"][0]["content"], response, truth)
+            j = parse_judgement(generate(tok, genrm, chat(tok, text), 1, 4, False)[0], rule)
+            right = dapo_score("", response, truth)["acc"]
+            parsed += j.parsed
+            agree += j.parsed and (j.score == 1.0) == right
+            n += 1
+    print(f"GenRM verdicts parsed {parsed}/{n}, agreeing with DAPO {agree}/{n}")
+    assert parsed == n and agree >= 0.6 * n
