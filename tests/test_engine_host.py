@@ -248,14 +248,14 @@ def test_worker_env_and_spec_of_a_tp2_genrm_and_tp2_x_dp2_training_job():
     assert train.training_place == ParallelPlace(tp_size=2, tp_rank=0, dp_size=2, dp_rank=1)
     assert train.trainer_config.model.tp_size == 2 and train.engine_process
     assert train.engine_worlds["genrm"] == TPWorld(rank=0, size=2, master_port=30101,
-                                                   local_rank=2)
+                                                   local_rank=2, job="j1", node="n0")
     reward = worker_spec(cfg, 5, "j1", "n1", 30000)
     assert reward.trainer_config is None
     # policy slots after the GenRM ones: port_base + 100 + 8 devices + slot
     assert reward.engine_worlds["policy"] == TPWorld(rank=1, size=2, master_port=30110,
-                                                     local_rank=1)
+                                                     local_rank=1, job="j1", node="n1")
     assert reward.engine_worlds["genrm"] == TPWorld(rank=1, size=2, master_port=30102,
-                                                    local_rank=1)
+                                                    local_rank=1, job="j1", node="n1")
     assert (reward.gps_job, reward.gps_node, reward.device) == ("j1", "n1", 5)
     genrm = reward.engine_options["genrm"]
     assert (genrm.tensor_parallel_size, genrm.max_model_len, genrm.omp_threads,

@@ -56,6 +56,20 @@ def _clean_folder(top: int, name: str, uid: int, job: str) -> list[str]:
         os.close(fd)
 
 
+def tp_clean(root: str, uid: int, job: str) -> list[str]:
+    """vLLM's TP segments of the job's engine hosts, which shm_open puts in /dev/shm itself
+    (`pivotrl-<job>-<node>-tp<port>-<token>-...`: runtime/tp_world.py): the user's files
+    there, through a descriptor of the sticky root (no link followed)."""
+    try:
+        top = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return []
+    try:
+        return [os.path.join(root, n) for n in _remove_job_files(top, uid, f"pivotrl-{job}-")]
+    finally:
+        os.close(top)
+
+
 def run_user_clean(uid: int, job: str) -> list[str]:
     """The folder `/run/user/<uid>/pivotrl`, where the system gives the user one (shmdir);
     /run/user/<uid> is the user's, so it is opened by descriptor and its owner checked."""
@@ -106,6 +120,7 @@ def main(argv: list[str]) -> int:
     found = clean(shm or "/dev/shm", int(uid), job)
     if not shm:
         found += run_user_clean(int(uid), job)
+    found += tp_clean("/dev/shm", int(uid), job)
     for path in found:
         print(path)
     return 0

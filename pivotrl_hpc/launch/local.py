@@ -342,13 +342,16 @@ def cleanup(run: PreparedRun) -> None:
 
 def sweep_segments(job: str) -> list[str]:
     """`gps.segment.sweep(job)` without importing torch (seconds on a busy machine): every
-    file of the job in this user's shm folder (`pivotrl-<job>-<node>-...`)."""
+    file of the job in this user's shm folder (`pivotrl-<job>-<node>-...`: segments, TP
+    rendezvous) and the vLLM TP segments in /dev/shm a killed engine host left."""
+    from pivotrl_hpc.runtime.tp_world import sweep_job
+
     removed = []
     for p in shmdir.job_files(job):
         p.unlink(missing_ok=True)
         removed.append(p.name)
     shmdir.remove_if_unused()   # a killed agent never released the folder
-    return removed
+    return removed + sweep_job(job)   # and the vLLM segments of its TP worlds
 
 
 # ---- diagnosis ---------------------------------------------------------------------------

