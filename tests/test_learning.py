@@ -33,8 +33,9 @@ def learned(warm_models, tmp_path_factory):
 
     def get(paradigm: str) -> dict:
         if paradigm not in runs:
+            # beside CPU spinners: the suite's one run per paradigm under contention (issue 47)
             runs[paradigm] = run_job("learn-cpu.yaml", warm_models, out / f"{paradigm}.h5",
-                                     [f"paradigm.name={paradigm}"])
+                                     [f"paradigm.name={paradigm}"], contention=CONTENTION)
         return runs[paradigm]
     return get
 
