@@ -8,8 +8,9 @@ right "Answer: N", else -1) + R_GenRM (the tiny GenRM's yes/no, 1/0), so R lies 
 that the policy answers in the format some of the time and rightly some of the time; GRPO
 then should make the right answer likelier, the reward rising by 0.2 or more (first 5
 steps -> last 5): not reached yet, so that test is an expected failure (figures there).
-The control: the same run with rollout workers whose Reload never loads the weights (fault injected, tests/programs/no_reload): the policy that generates stays the
-warm start and the reward does not rise, so the rise needs the weights to flow
+The control: the same run with rollout workers whose Reload never loads the weights
+(fault injected, tests/programs/no_reload): the policy that generates stays the warm start
+and the reward does not rise, so the rise needs the weights to flow
 training -> GPS -> rollout. Each run a few minutes on 2 cores.
 """
 from __future__ import annotations
