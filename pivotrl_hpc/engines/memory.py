@@ -21,6 +21,7 @@ linear-attention layers (Qwen3.5), which vLLM keeps beside the KV blocks.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 GiB = 2**30
@@ -81,13 +82,13 @@ class KVBudget:
 
     def __init__(self, cfg: Any, model: str) -> None:
         from pivotrl_hpc.engines.vllm.types import EngineOptions
-        from pivotrl_hpc.gps.shapes import ModelShape, itemsize
+        from pivotrl_hpc.gps.shapes import itemsize
 
         m = getattr(cfg.models, model)
         self.model, self.tp, self.b = model, m.tensor_parallel, itemsize(m.dtype)
-        self.shape = ModelShape.from_hf_config(m.path)
+        self._path = m.path
         self.override = cfg.roles.kv_cache_mb > 0
-        if self.override:
+        if self.override:   # sized by the config: the model's folder is not read for it
             self.device_bytes = cfg.roles.kv_cache_mb * 2**20 // self.tp
             return
         self.memory, self.utilization = device_memory_bytes(cfg), cfg.roles.gpu_memory_utilization
@@ -96,6 +97,12 @@ class KVBudget:
         self.device_bytes = kv_bytes_per_device(
             self.shape, self.b, self.tp, self.memory, self.utilization, self.tokens_batched,
             EngineOptions.max_num_seqs)
+
+    @functools.cached_property
+    def shape(self):
+        from pivotrl_hpc.gps.shapes import ModelShape
+
+        return ModelShape.from_hf_config(self._path)
 
     @property
     def replica_tokens(self) -> int:
