@@ -210,6 +210,9 @@ def test_dry_run_prints_command_and_layout(tiny_models, tmp_path):
     assert re.search(r"mpirun --oversubscribe --allow-run-as-root .*-n 6 .*"
                      r"-m pivotrl_hpc\.launch\.entry \S+/out/job\.config\.json", p.stdout)
     assert "UCX_MODULES=" in p.stdout and "OMP_NUM_THREADS=1" in p.stdout
+    # one machine: MPI's out-of-band on loopback, no TCP transport listening (issue 46)
+    assert "--mca oob_tcp_if_include lo --mca btl self,vader" in p.stdout
+    assert "GLOO_SOCKET_IFNAME=lo" in p.stdout
     assert "rank 3 (GPS agent, node n1)" in p.stdout and "rank 5 (worker of device 3" in p.stdout
     assert not (tmp_path / "mpirun-started").exists() and not (tmp_path / "out").exists()
 

@@ -88,7 +88,8 @@ def prepare(cfg, *, cpu_cap: bool = True, cores: int | None = None,
            "PIVOTRL_PORT_BASE": str(free_port_base(
                job_ports(layout.nodes * layout.devices_per_node))),
            "UCX_MODULES": os.environ.get("UCX_MODULES", "^ib,rdmacm"),
-           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+           "GLOO_SOCKET_IFNAME": "lo"}   # the training world's gloo pairs: one machine
     env.update({k: os.environ[k] for k in FORWARDED_ENV if k in os.environ})
     env[shmdir.FOLDER_ENV] = str(shmdir.SHM_DIR)   # every rank, this launcher's sweep: one folder
     if not cpu_cap:
@@ -119,8 +120,11 @@ def group_shared(config: dict) -> bool:
 
 def mpirun_command(mpirun: str, layout: RankLayout, config_json: Path,
                    exported: list[str]) -> list[str]:
+    # Every rank is on this machine: Open MPI's out-of-band and TCP transport listen on
+    # loopback only, not on every interface another host could reach (issue 46)
     cmd = [mpirun, "--oversubscribe", "--allow-run-as-root", "--bind-to", "none",
            "--mca", "odls_base_sigkill_timeout", str(SIGKILL_TIMEOUT_S),
+           "--mca", "oob_tcp_if_include", "lo", "--mca", "btl", "self,vader",
            "-n", str(layout.world_size)]
     for name in exported:
         cmd += ["-x", name]
