@@ -34,7 +34,7 @@ GiB = 2**30
 DEVICE_MEMORY_GIB = {"gpu": 96.0, "cpu": 0.25}
 # Tokens of one engine iteration vLLM profiles its activation peak at: its LLM-class
 # default on GPUs of >= 70 GiB (vllm/engine/arg_utils.py, chunked prefill); on CPU the
-# adapter's budget, a whole prompt at least (engines/vllm/backend.py's CPU_BATCHED_TOKENS).
+# adapter's budget, a whole prompt at least (engines/vllm/backend.py uses this one).
 GPU_BATCHED_TOKENS = 16384
 CPU_BATCHED_TOKENS = 4096
 LOGITS_BYTES = 4 * 2   # fp32 logits and their probabilities, per sequence and vocab entry

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pivotrl_hpc.engines.host import trim_host_heap
+from pivotrl_hpc.engines.memory import CPU_BATCHED_TOKENS   # one engine iteration's tokens on CPU
 from pivotrl_hpc.engines.vllm.types import EngineOptions
 
 log = logging.getLogger(__name__)
@@ -74,7 +75,6 @@ def gpu_available() -> bool:
 
 
 ONEDNN_CACHE_CAPACITY = 16
-CPU_BATCHED_TOKENS = 4096   # vLLM's token budget of one engine iteration on CPU
 
 
 def configure_process(options: EngineOptions, gpu: bool) -> None:
