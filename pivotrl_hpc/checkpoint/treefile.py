@@ -1,7 +1,7 @@
 """A state dict (nested dicts, lists, tuples, numbers, strings, tensors) as one safetensors
 file, with no pickle anywhere (issue 46).
 
-`torch.save` writes a pickle, and `torch.load(weights_only=False)` runs whatever a pickle
+`torch.save` writes a pickle, and torch.load with weights_only off runs whatever a pickle
 says: a checkpoint planted in a run folder another account could write ran code as the job's
 user. Here the tensors are safetensors entries named `t<N>` and the structure is JSON in the
 file's metadata, so reading one is parsing, never executing. Tags keep what JSON would lose:
