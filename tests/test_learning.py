@@ -59,11 +59,6 @@ def test_the_reward_is_the_papers_sum_and_groups_differ(learned, paradigm):
 # Not reached yet (2026-12-07, the warm start of assets/warmstart.py, lr 3e-3): first 5 ->
 # last 5 steps colocated -0.700 -> -0.506, disaggregated -0.575 -> -0.750, shiftable
 # -0.550 -> -0.394 (R in [-1, 2], 32 samples a step: a 5-step mean's noise is ~0.1).
-# Disaggregated's fall and its 12 steps of loss exactly 0 were a collapse, not a batching
-# bug: the GenRM of that warm start said "yes" to blank responses (an early EOS in budget
-# mode), blank beat a wrong answer, and from step 8 every response was blank (every group's
-# rewards equal). The GenRM now learns blank and cut responses (bfa73c1); figures with it
-# are still to be taken.
 @pytest.mark.xfail(reason="issue 48: the dapo reward of the warm-started policy does not yet "
                           "rise by 0.2 within 20 steps under every paradigm", strict=False)
 @pytest.mark.parametrize("paradigm", PARADIGMS)
