@@ -74,25 +74,3 @@ def test_the_genrm_writes_a_parseable_verdict_mostly_right(warm_models, sampled)
             n += 1
     print(f"GenRM verdicts parsed {parsed}/{n}, agreeing with DAPO {agree}/{n}")
     assert parsed == n and agree >= 0.6 * n
-
-
-def test_the_genrm_says_no_to_blank_and_budget_cut_responses(warm_models):
-    """The run's budget mode ignores EOS: a policy that writes EOS first leaves a blank
-    response, and a drawn budget cuts an answer short. A GenRM that never saw these shapes
-    said "yes" to many blank ones, and GRPO learned to answer blank (disaggregated: every
-    response blank from step 8, every group's rewards equal, the loss exactly 0)."""
-    tok, genrm = load(warm_models / "genrm")
-    rule, template = FAMILIES["tiny"].rule, template_text("tiny")
-    said_yes = {"blank": 0, "cut": 0}
-    for p in make_split(0, 8):
-        content = dapo_row(p, "")["prompt"][0]["content"]
-        shapes = {"blank": ["", "\n", "\n\n\n"],
-                  "cut": ["Answer:", f"Answer: {p['answer'][:-1]}", "Let us compute"]}
-        for kind, responses in shapes.items():
-            for response in responses:
-                text = fill(template, content, response, p["answer"])
-                j = parse_judgement(generate(tok, genrm, chat(tok, text), 1, 4, False)[0], rule)
-                assert j.parsed, (kind, response)
-                said_yes[kind] += j.score == 1.0
-    print(f"GenRM said yes to {said_yes} of 24 each")
-    assert said_yes["blank"] == 0 and said_yes["cut"] <= 2, said_yes

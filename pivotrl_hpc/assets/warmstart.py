@@ -9,8 +9,8 @@ template; the judge prompt from the tiny family's template):
   one, and is stopped short (`POLICY_STEPS`), so its sampled answers are right only some of
   the time: a group's rewards differ, which is what GRPO learns from;
 - the GenRM learns to answer the tiny template's "Verdict (yes or no)?" with `yes` when the
-  response's answer is the reference's and `no` otherwise, on responses of the shapes the
-  policy writes in budget mode (right, wrong, unanswered, blank, cut short).
+  response's answer is the reference's and `no` otherwise, on responses of the three kinds
+  the policy writes.
 Deterministic (seeded data, order and initialisation; one thread), a few seconds on CPU.
 """
 from __future__ import annotations
@@ -37,7 +37,6 @@ class Schedule:
 
 POLICY = Schedule(steps=300, batch=64, lr=3e-3)
 GENRM = Schedule(steps=60, batch=16, lr=1e-3)
-GENRM_PER_PROBLEM = 4   # judged responses of each training problem
 
 
 def wrong(answer: str, rng: random.Random) -> str:
@@ -46,23 +45,14 @@ def wrong(answer: str, rng: random.Random) -> str:
     return str(n) if rng.random() < 0.7 else str(rng.randint(-99, 999))
 
 
-def judged_response(answer: str, rng: random.Random, tok) -> tuple[str, bool]:
-    """A response as the warm policy writes it in the CPU configs' budget mode, and whether
-    DAPO scores it correct: an answer right or wrong, a line without one, a blank response
-    (the policy wrote EOS first: its text is only the blank lines past it), or any of these
-    cut by the drawn length budget; answers and blanks may carry the blank-line tail written
-    past EOS. A GenRM that never saw blank or cut responses said "yes" to many, and GRPO
-    learned to answer blank (every group equal, the loss exactly 0: issue 48)."""
-    from pivotrl_hpc.task.rewards import dapo_score
-
+def judged_response(answer: str, rng: random.Random) -> tuple[str, bool]:
+    """A response as the warm policy writes it, and whether DAPO would score it correct."""
     kind = rng.random()
-    text = (f"Answer: {answer}" if kind < 0.35 else f"Answer: {wrong(answer, rng)}"
-            if kind < 0.65 else NO_ANSWER if kind < 0.8 else "")
-    if text and rng.random() < 0.25:    # cut by the budget, a token or more short
-        ids = tok(text, add_special_tokens=False)["input_ids"]
-        text = tok.decode(ids[:rng.randrange(len(ids))])
-    text += "\n" * rng.choice((0, 0, 1, 2, 3))
-    return text, bool(dapo_score("", text, answer)["acc"])
+    if kind < 0.4:
+        return f"Answer: {answer}", True
+    if kind < 0.8:
+        return f"Answer: {wrong(answer, rng)}", False
+    return NO_ANSWER, False
 
 
 AFTER_EOS = 2   # blank lines after the EOS, each followed by EOS again
@@ -103,9 +93,9 @@ def genrm_examples(folder: Path, problems: list[dict], seed: int) -> list:
 
     tok, rng = AutoTokenizer.from_pretrained(str(folder)), random.Random(seed)
     template, out = template_text("tiny"), []
-    for p in problems * GENRM_PER_PROBLEM:
+    for p in problems:
         problem = dapo_row(p, "")["prompt"][0]["content"]
-        response, right = judged_response(p["answer"], rng, tok)
+        response, right = judged_response(p["answer"], rng)
         text = fill(template, problem, response, p["answer"])
         # one word, as the template's "Verdict (yes or no)?" asks: it fits any length budget
         out.append(_encode(tok, [{"role": "user", "content": text}], "yes" if right else "no"))
