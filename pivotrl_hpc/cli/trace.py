@@ -33,19 +33,26 @@ def main(args: argparse.Namespace) -> int:
 
     worst = 0
     for path in map(Path, args.traces):
-        if not path.is_file():
-            print(f"pivotrl trace check: no trace at {path}", file=sys.stderr)
-            return 2
-        try:
-            results = check(path)
-        except (OSError, KeyError, ValueError) as e:
-            print(f"pivotrl trace check: {path} is not a readable trace: {e}", file=sys.stderr)
+        results = _read("check", path, check)
+        if results is None:
             return 2
         print(f"{path}:")
         for r in results:
             print(f"  {r.line()}")
         worst = max(worst, 0 if all(r.ok for r in results) else 1)
     return worst
+
+
+def _read(command: str, path: Path, reader):
+    """reader(path), or None after one line on stderr naming what is wrong with `path`."""
+    if not path.is_file():
+        print(f"pivotrl trace {command}: no trace at {path}", file=sys.stderr)
+        return None
+    try:
+        return reader(path)
+    except (OSError, KeyError, ValueError) as e:
+        print(f"pivotrl trace {command}: {path} is not a readable trace: {e}", file=sys.stderr)
+        return None
 
 
 def read_samples(run: Path) -> list[dict]:
@@ -67,13 +74,8 @@ def samples(args: argparse.Namespace) -> int:
     run = Path(args.run)
     if not run.is_file() and run.with_suffix(".h5").is_file():
         run = run.with_suffix(".h5")
-    if not run.is_file():
-        print(f"pivotrl trace samples: no trace at {run}", file=sys.stderr)
-        return 2
-    try:
-        rows = read_samples(run)
-    except (OSError, KeyError, ValueError) as e:
-        print(f"pivotrl trace samples: {run} is not a readable trace: {e}", file=sys.stderr)
+    rows = _read("samples", run, read_samples)
+    if rows is None:
         return 2
     shown = [r for r in rows if (args.step is None or r["step"] == args.step)
              and (not args.unparsed or r["parse"] in ("unparsed", "truncated"))
