@@ -35,7 +35,7 @@ class Sample:
     """One response of a GRPO group, from admission to training."""
     sid: int
     prompt: PromptData
-    batch: int                       # the step it is trained in (-1: validation)
+    batch: int                       # the step it trains in; validation after step s: -1 - s
     budget: int                      # max new tokens
     sampling: Sampling
     judge_budget: int = 0
@@ -76,7 +76,7 @@ class RLBook:
                  seed: int = 0, keep_trained: bool = True, eval_samples: int = 1,
                  eval_temperature: float = 0.0) -> None:
         self.prompts, self.steps = list(prompts), steps
-        self.batch_size, self.group_size, self.k = batch_size, group_size, staleness
+        self.batch_size, self.group_size, self.staleness = batch_size, group_size, staleness
         self.lengths, self.temperature = lengths, temperature
         self.rng = random.Random(seed)
         self.eval_samples, self.eval_temperature = eval_samples, eval_temperature
@@ -96,7 +96,7 @@ class RLBook:
         return i // self.batch_size
 
     def admit(self, gen_version: int, now: float, per_batch: bool = False) -> list[Sample]:
-        """Admit every prompt whose batch is at most k ahead of `gen_version`; `per_batch`
+        """Admit every prompt whose batch is at most `staleness` ahead of `gen_version`; `per_batch`
         (rr_colocated, Appendix E): a batch only once every sample before it is judged.
         `held_s` counts the staleness bound's holds only."""
         out: list[Sample] = []
@@ -116,7 +116,7 @@ class RLBook:
         return out
 
     def _stale(self, gen_version: int) -> bool:
-        return self.batch_of(self.next_prompt) - gen_version > self.k
+        return self.batch_of(self.next_prompt) - gen_version > self.staleness
 
     def _oldest_open(self) -> float:
         """The oldest batch with a sample not judged yet (inf: none). Cached until a sample
