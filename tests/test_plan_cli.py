@@ -15,9 +15,9 @@ def test_plan_json_reports_all_five_steps(capsys):
     assert out["shift_up_role"]["role"] == "reward"
     assert set(out["shift_up_role"]["tau"]) == {"rollout", "reward"}
     assert [round(p["penalty"]) for p in out["shift_pairs"]] == [0, 706, 1843]
-    assert [c["k"] for c in out["candidates"]] == [1, 2, 3, 4]
+    assert [c["shift_up_count"] for c in out["candidates"]] == [1, 2, 3, 4]
     for c in out["candidates"]:
-        assert {"k", "penalty", "est_throughput", "benefit"} <= set(c)
+        assert {"shift_up_count", "penalty", "est_throughput", "benefit"} <= set(c)
     assert len(out["plan"]["shift_up"]) == 3
 
 

@@ -34,15 +34,15 @@ def test_dp_penalty_equals_brute_force_minimum(pairs):
     sizes, penalties = [p[0] for p in pairs], [p[1] for p in pairs]
     cands = construct_candidates(sizes, penalties)
     brute = _brute(sizes, penalties)
-    assert [c.k for c in cands] == sorted(brute)             # one candidate per count k
+    assert [c.shift_up_count for c in cands] == sorted(brute)    # one candidate per count k
     for c in cands:
-        assert c.penalty == pytest.approx(brute[c.k])
+        assert c.penalty == pytest.approx(brute[c.shift_up_count])
         # the plan is consistent: picks are distinct pairs, e within 1..r_i, sum e = k,
         # and each pair's penalty is paid once however many of its replicas are used
         idx = [i for i, _ in c.picks]
         assert len(set(idx)) == len(idx)
         assert all(1 <= e <= sizes[i] for i, e in c.picks)
-        assert sum(e for _, e in c.picks) == c.k
+        assert sum(e for _, e in c.picks) == c.shift_up_count
         assert c.penalty == pytest.approx(sum(penalties[i] for i in idx))
 
 
@@ -52,21 +52,22 @@ def test_dp_respects_max_count(pairs, cap):
     sizes, penalties = [p[0] for p in pairs], [p[1] for p in pairs]
     cands = construct_candidates(sizes, penalties, max_count=cap)
     brute = _brute(sizes, penalties)
-    assert [c.k for c in cands] == [k for k in sorted(brute) if k <= cap]
+    assert [c.shift_up_count for c in cands] == [k for k in sorted(brute) if k <= cap]
 
 
 def test_equal_penalty_keeps_the_later_candidate():
     # two pairs of one replica and equal penalty: k=1 is reachable through either; the
     # later transition (pair 1) is kept
     cands = construct_candidates([1, 1], [5.0, 5.0])
-    assert [(c.k, c.penalty, c.picks) for c in cands] == [(1, 5.0, ((1, 1),)),
+    assert [(c.shift_up_count, c.penalty, c.picks) for c in cands] == [(1, 5.0, ((1, 1),)),
                                                           (2, 10.0, ((0, 1), (1, 1)))]
 
 
 def test_penalty_paid_once_per_pair():
     # Figure 8's shape: training pair (2 reward replicas, φ=0), rollout pairs (φ 706, 1843)
     cands = construct_candidates([2, 1, 1], [0.0, 706.0, 1843.0])
-    assert [(c.k, c.penalty) for c in cands] == [(1, 0.0), (2, 0.0), (3, 706.0), (4, 2549.0)]
+    assert [(c.shift_up_count, c.penalty) for c in cands] == [(1, 0.0), (2, 0.0), (3, 706.0),
+                                                              (4, 2549.0)]
     assert cands[1].picks == ((0, 2),)
     assert cands[2].picks == ((0, 2), (1, 1))
 

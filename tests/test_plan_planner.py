@@ -52,11 +52,11 @@ def test_figure8_shift_pairs_sorted_by_penalty(fig8):
 def test_figure8_candidates_and_choice(fig8):
     snap, params = fig8
     report = PivotPlanner(params).explain(snap)
-    got = [(c.candidate.k, round(c.candidate.penalty)) for c in report.candidates]
+    got = [(c.candidate.shift_up_count, round(c.candidate.penalty)) for c in report.candidates]
     # Algorithm 1 also keeps k=1 (one reward replica on the training GPUs); Figure 8 draws
     # the k = 2, 3, 4 candidates: Reward x24, x28, x32.
     assert got == [(1, 0), (2, 0), (3, 706), (4, 2549)]
-    by_k = {c.candidate.k: c for c in report.candidates}
+    by_k = {c.candidate.shift_up_count: c for c in report.candidates}
     assert by_k[2].benefit > 0 and by_k[3].benefit > by_k[2].benefit and by_k[4].benefit < 0
     assert by_k[4].estimate.rollout == 0.0            # every rollout replica gone
     plan = report.plan
@@ -107,7 +107,7 @@ def test_benefit_matches_an_independent_replay(fig8):
         assert c.candidate.penalty == pytest.approx(phi, rel=1e-12)
         assert (c.estimate.rollout, c.estimate.reward) == pytest.approx((roll[1], reward[1]))
         expect = params.horizon_s * (_eq1([roll, reward]) - now) - phi
-        assert c.benefit == pytest.approx(expect, rel=1e-9), c.candidate.k
+        assert c.benefit == pytest.approx(expect, rel=1e-9), c.candidate.shift_up_count
 
 
 def test_vanilla_benefit_by_hand(fig8):
@@ -124,7 +124,8 @@ def test_vanilla_benefit_by_hand(fig8):
     h, phi = 60.0, 4 * 1.22725
     expect = {1: h * (eq1(8, 5) - eq1(8, 4)), 2: h * (eq1(8, 6) - eq1(8, 4)),
               3: h * (eq1(4, 7) - eq1(8, 4)) - phi, 4: h * (0.0 - eq1(8, 4)) - 2 * phi}
-    assert {c.candidate.k: c.benefit for c in report.candidates} == pytest.approx(expect)
+    got = {c.candidate.shift_up_count: c.benefit for c in report.candidates}
+    assert got == pytest.approx(expect)
 
 
 def test_equal_inputs_give_equal_plans(fig8):
@@ -208,9 +209,9 @@ def test_rollout_shift_up_takes_a_whole_reward_replica(fig8):
     assert [p.size for p in report.pairs] == [4, 4, 4, 4]
     first = report.pairs[0]
     assert len(first.shift_down) == 1 and first.shift_down[0].startswith("rw")
-    ks = [c.candidate.k for c in report.candidates]
+    ks = [c.candidate.shift_up_count for c in report.candidates]
     assert ks == list(range(1, 17))
-    by_k = {c.candidate.k: c for c in report.candidates}
+    by_k = {c.candidate.shift_up_count: c for c in report.candidates}
     assert by_k[1].candidate.penalty == by_k[4].candidate.penalty == first.penalty
     assert by_k[5].candidate.penalty == pytest.approx(first.penalty + report.pairs[1].penalty)
 
@@ -256,8 +257,8 @@ def test_a_candidates_migration_cost_is_its_moved_tokens_prefill(fig8):
             assert moved == sum(x.n_tok for x in snap.replicas if x.replica_id in down)
             if replicas[r] > len(down):   # none left: they wait, nothing is prefilled yet
                 cost += p[r] * moved * thr / (replicas[r] - len(down))
-        thr, moved = replay[role].shift_up(b.candidate.k, params.migrate)
-        cost += p[role] * moved * thr / (replicas[role] + b.candidate.k)
+        thr, moved = replay[role].shift_up(b.candidate.shift_up_count, params.migrate)
+        cost += p[role] * moved * thr / (replicas[role] + b.candidate.shift_up_count)
         charged += moved > 0
         assert b.estimate.migration_cost == pytest.approx(cost, rel=1e-12)
         assert b.benefit == pytest.approx(a.benefit - cost, rel=1e-9, abs=1e-6)

@@ -78,8 +78,8 @@ def _table(report: PlanReport) -> str:
     lines.append(f"   {'k':>4} {'penalty':>10} {'T_rollout':>10} {'T_reward':>10} "
                  f"{'T_overall':>10} {'benefit':>12}")
     for c in report.candidates:
-        e = c.estimate
-        lines.append(f"   {c.candidate.k:>4} {c.candidate.penalty:>10.1f} {e.rollout:>10.1f} "
+        e, cand = c.estimate, c.candidate
+        lines.append(f"   {cand.shift_up_count:>4} {cand.penalty:>10.1f} {e.rollout:>10.1f} "
                      f"{e.reward:>10.1f} {e.overall:>10.1f} {c.benefit:>12.1f}")
     lines.append(f"5. plan: {_plan_line(report.plan) if report.plan else 'none'} ({report.reason})")
     return "\n".join(lines)

@@ -16,7 +16,7 @@ _INF = float("inf")
 
 @dataclass(frozen=True)
 class Candidate:
-    k: int                                # shift-up replicas
+    shift_up_count: int                   # k: shift-up replicas
     penalty: float                        # D[k]
     picks: tuple[tuple[int, int], ...]    # (pair index, e): the first e replicas of pair i
 

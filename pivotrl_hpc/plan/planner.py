@@ -74,7 +74,7 @@ class CandidateEval:
     benefit: float
 
     def to_dict(self) -> dict[str, Any]:
-        return {"k": self.candidate.k, "penalty": self.candidate.penalty,
+        return {"shift_up_count": self.candidate.shift_up_count, "penalty": self.candidate.penalty,
                 "pairs": [list(p) for p in self.candidate.picks],
                 "shift_down": list(self.shift_down), "shift_up": [s.to_dict() for s in self.up],
                 "est_throughput": self.estimate.to_dict(), "benefit": self.benefit}
@@ -142,8 +142,8 @@ class PivotPlanner:
                  candidates: list[Candidate]) -> tuple[Estimate, list[CandidateEval]]:
         """Step 4: migration simulation and B = H·(T_cand − T_cur) − φ."""
         shifts = [_materialise(role, pairs, cand) for cand in candidates]
-        counts = [0 if role == TRAINING else cand.k for cand in candidates]
-        jobs = [(k, down) for k, (_, down) in zip(counts, shifts)]
+        counts = [0 if role == TRAINING else cand.shift_up_count for cand in candidates]
+        jobs = [(count, down) for count, (_, down) in zip(counts, shifts)]
         config = (self.params.migrate, self.params.binary_throughput, self.replay,
                   tuple(sorted(self.params.prefill_s_per_token.items())))
         if self.use_parallel(snap, len(candidates)):
@@ -152,7 +152,7 @@ class PivotPlanner:
         else:
             sim = parallel.simulator(snap, config)
             current = sim.current()
-            ests = [sim.estimate(role, k, down) for k, down in jobs]
+            ests = [sim.estimate(role, count, down) for count, down in jobs]
         return current, [CandidateEval(cand, up, down, est,
                                        benefit(self.params.horizon_s, current.overall,
                                                est.overall,
@@ -187,10 +187,10 @@ class PivotPlanner:
         if choice.role == TRAINING:
             best, why = evals[0], "next training batch is ready: shift training up"
         else:
-            best = max(evals, key=lambda e: (e.benefit, -e.candidate.k))
+            best = max(evals, key=lambda e: (e.benefit, -e.candidate.shift_up_count))
             if not best.benefit > 0.0:
                 return None, f"no candidate has a positive benefit (best {best.benefit:.1f})"
-            why = (f"shift up {best.candidate.k} {choice.role} replica(s): "
+            why = (f"shift up {best.candidate.shift_up_count} {choice.role} replica(s): "
                    f"benefit {best.benefit:.1f}")
         plan = ShiftPlan(best.shift_down, best.up, why, best.candidate.penalty,
                          best.estimate.overall, best.benefit)
