@@ -139,6 +139,21 @@ def _device_in_two_roles(rows, summary):
                           dict(up, role="rollout", replica="rollout-x"))
 
 
+def test_a_shift_down_in_flight_at_a_cancel_still_stops_its_replica_serving(run, tmp_path):
+    """A Slurm cancel can end a job between a plan shifting a rollout replica down and the
+    workers' answer, so the trace has the executed plan but no shifts `down` row; admissions
+    after the plan no longer count that replica's older version (CI failure, issue 47)."""
+    def edit(rows, summary):
+        downs = [s for s in rows["shifts"] if s["role"] == "rollout"
+                 and s["direction"] == "down"]
+        for s in downs:
+            rows["shifts"].remove(s)
+        rows["reloads"][:] = [r for r in rows["reloads"]
+                              if r["replica"] not in {s["replica"] for s in downs}]
+        assert downs
+    assert "staleness" not in failed(broken(run, tmp_path, edit))
+
+
 @pytest.mark.parametrize("edit, invariant", [
     (_retype_step_numbers, "numbering"), (_unexecuted_plan_id, "numbering"),
     (_step_tokens, "tokens"), (_training_throughput_zero, "tokens"),

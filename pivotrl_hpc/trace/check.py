@@ -252,6 +252,11 @@ def _admission_versions(rows) -> list[str]:
               if s["role"] == "rollout" and s["direction"] == "up"]
     events += [(plan_t.get(s["plan_id"], s["t"]), 0, "down", s["replica"], -1)
                for s in rows["shifts"] if s["role"] == "rollout" and s["direction"] == "down"]
+    # A shift down stops the replica serving when its plan executes; its shifts row comes
+    # when the workers answer, which a cancelled job may never see (a Slurm cancel with a
+    # shift down in flight left v1 "served" under an admission against v2).
+    events += [(p["t"], 0, "down", rid, -1) for p in rows["planner"]
+               for rid in _executed_downs(p)]
     events += [(r["t"], 0, "reload", r["replica"], r["version"]) for r in rows["reloads"]]
     events += [(g["t"], 0, "publish", "", g["version"]) for g in rows["gps"]
                if g["op"] == "write"]
@@ -272,6 +277,14 @@ def _admission_versions(rows) -> list[str]:
                            f"v{v['published']}); the trace has v{oldest} served, "
                            f"v{published} published")
     return out
+
+
+def _executed_downs(plan: dict) -> list[str]:
+    """The replicas an executed planner row shifted down (its chosen candidate's)."""
+    cands, chosen = plan["candidates"], plan["chosen"]
+    if not plan["executed"] or not 0 <= chosen < len(cands):
+        return []
+    return [r for r in cands[chosen].get("shift_down", []) if r != "training"]
 
 
 def roles(rows, meta, summary, _schema) -> list[str]:
