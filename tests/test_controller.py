@@ -10,7 +10,7 @@ from controller_util import make_controller, split_bootstrap
 from live_util import assert_trace_ok
 from pivotrl_hpc.controller.flow import ControllerError
 from pivotrl_hpc.controller.rl import lag
-from pivotrl_hpc.runtime.messages import Prepare, Step
+from pivotrl_hpc.protocol.messages import Prepare, Step
 
 FIXED = ("colocated", "disaggregated", "rr_colocated")
 
@@ -139,7 +139,7 @@ def test_the_stop_check_runs_every_iteration_and_its_stop_shuts_everyone_down():
 
 
 def test_ask_each_queues_behind_work_and_collects_every_devices_answer():
-    from pivotrl_hpc.runtime.messages import QueryState
+    from pivotrl_hpc.protocol.messages import QueryState
 
     ctl, workers = make_controller("shiftable", bootstrap=split_bootstrap(),
                                    prebuild=("policy", "genrm"))
@@ -332,7 +332,7 @@ def test_kv_overflow_preempts_the_newest_sequence_on_the_replica_not_the_grower(
     overflowed keeps its tokens and its place; the newest one's output in the same reply is
     stale and ignored (it resumes from its record)."""
     from pivotrl_hpc.controller.flow import RoleFlow, SeqRecord
-    from pivotrl_hpc.engines.vllm.types import Sampling, SeqProgress, StepOutput
+    from pivotrl_hpc.protocol.engine import Sampling, SeqProgress, StepOutput
     from pivotrl_hpc.sched import Replica, Scheduler, ThroughputModel
 
     events = []
@@ -359,8 +359,7 @@ def test_a_sequence_finished_in_the_same_reply_leaves_before_the_others_grow():
     request's blocks), so the growth fits and nothing is preempted; the finished one is
     not thrown back to regenerate tokens it already has."""
     from pivotrl_hpc.controller.flow import RoleFlow, SeqRecord
-    from pivotrl_hpc.engines.vllm.types import (FinishedSequence, Sampling, SeqProgress,
-                                                StepOutput)
+    from pivotrl_hpc.protocol.engine import FinishedSequence, Sampling, SeqProgress, StepOutput
     from pivotrl_hpc.sched import Replica, Scheduler, ThroughputModel
 
     finished = []

@@ -16,7 +16,7 @@ import pytest
 from proc_util import alive, ppid, wait_gone
 
 from pivotrl_hpc.engines.ports import free_port
-from pivotrl_hpc.engines.vllm.types import EngineOptions, Sampling
+from pivotrl_hpc.protocol.engine import EngineOptions, Sampling
 from pivotrl_hpc.runtime import host_forker
 from pivotrl_hpc.runtime.engine_host import (EngineHost, EngineHostError, GPSRead, TPWorld,
                                              spmd)
@@ -143,8 +143,8 @@ def test_shift_down_and_up_stay_in_the_host_and_read_gps(policy_host, agent, per
 
 
 def test_worker_runs_engines_in_hosts_and_names_a_dead_one(tiny_models, agent):
-    from pivotrl_hpc.runtime.messages import (AddSequences, RoleKind, SeqRequest, ShiftUp,
-                                              Shutdown, Step)
+    from pivotrl_hpc.protocol.messages import (AddSequences, RoleKind, SeqRequest, ShiftUp,
+                                               Shutdown, Step)
     from pivotrl_hpc.runtime.worker import DeviceWorker, WorkerSpec
 
     spec = WorkerSpec(model_dirs={m: str(tiny_models / m) for m in ("policy", "genrm")},
@@ -322,7 +322,7 @@ def test_hosts_and_their_forker_outlive_slurms_sigterm(tiny_models):
 
 
 def _greedy_through(worker, prompts=PROMPTS) -> dict[str, list[int]]:
-    from pivotrl_hpc.runtime.messages import AddSequences, SeqRequest, Step
+    from pivotrl_hpc.protocol.messages import AddSequences, SeqRequest, Step
 
     seqs = tuple(SeqRequest(k, tuple(p), max_new_tokens=N_NEW, sampling=GREEDY)
                  for k, p in prompts.items())
@@ -340,7 +340,7 @@ def test_prepare_builds_every_engine_asleep_so_shift_ups_only_wake(tiny_models, 
     """Job start (roles.prebuild_engines): Prepare builds both engines in their preloaded
     hosts and puts them to sleep, the device staying idle; a shift up to either role then
     wakes its engine (no build) and serves the model's own greedy tokens."""
-    from pivotrl_hpc.runtime.messages import Prepare, RoleKind, ShiftDown, ShiftUp, Shutdown
+    from pivotrl_hpc.protocol.messages import Prepare, RoleKind, ShiftDown, ShiftUp, Shutdown
     from pivotrl_hpc.runtime.worker import DeviceWorker, WorkerSpec
 
     spec = WorkerSpec(model_dirs={m: str(tiny_models / m) for m in ("policy", "genrm")},

@@ -62,7 +62,7 @@ def test_a_train_steps_work_row_carries_the_trainers_own_seconds():
 
     from pivotrl_hpc.controller.report import Reporter
     from pivotrl_hpc.controller.rl import Sample
-    from pivotrl_hpc.engines.vllm.types import Sampling
+    from pivotrl_hpc.protocol.engine import Sampling
     from pivotrl_hpc.task.types import PromptData, Score
 
     rows: list[tuple[str, dict]] = []

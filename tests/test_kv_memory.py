@@ -118,7 +118,7 @@ def test_bad_memory_settings_are_refused(key, value, needle):
 
 def test_a_gpu_smaller_than_the_derivation_assumed_is_refused_by_the_engine():
     from pivotrl_hpc.engines.vllm.backend import check_device_memory
-    from pivotrl_hpc.engines.vllm.types import EngineOptions
+    from pivotrl_hpc.protocol.engine import EngineOptions
 
     opts = EngineOptions(kv_cache_memory_bytes=70 * GiB, device_memory_bytes=96 * GiB)
     check_device_memory(opts, 97 * GiB)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from pivotrl_hpc.engines.vllm.types import EngineOptions, Sampling
+from pivotrl_hpc.protocol.engine import EngineOptions, Sampling
 from pivotrl_hpc.gps.layout import ParallelPlace
 from pivotrl_hpc.gps.local import local_agent
 
@@ -76,8 +76,8 @@ def test_a_reload_of_a_version_retired_before_it_is_read_loads_a_newer_one(tiny_
     """Seen in test_learning[shiftable] under load: the controller sent Reload(5), v6 was
     published and v5 retired before the worker read it, and the job died of `LookupError:
     policy v5 is not live`. The worker now loads v5 or newer: v6 here."""
-    from pivotrl_hpc.runtime.messages import (AddSequences, Reload, RoleKind, SeqRequest,
-                                              ShiftUp, Shutdown, Step)
+    from pivotrl_hpc.protocol.messages import (AddSequences, Reload, RoleKind, SeqRequest, ShiftUp,
+                                               Shutdown, Step)
     from pivotrl_hpc.runtime.worker import DeviceWorker, WorkerSpec
 
     with local_agent({m: str(tiny_models / m) for m in ("policy", "genrm")}) as agent:
@@ -198,7 +198,7 @@ def test_a_tp_replica_whose_ranks_reload_across_a_publish_is_reloaded_to_the_new
 
     from pivotrl_hpc.controller.executor import ReplicaInfo
     from pivotrl_hpc.controller.shifts import Executor
-    from pivotrl_hpc.runtime.messages import Reload, Reply, RoleKind
+    from pivotrl_hpc.protocol.messages import Reload, Reply, RoleKind
 
     sent = []
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from pivotrl_hpc.engines.ports import free_port
-from pivotrl_hpc.engines.vllm.types import EngineOptions, Sampling
+from pivotrl_hpc.protocol.engine import EngineOptions, Sampling
 from pivotrl_hpc.runtime.engine_host import EngineHost, GPSRead, TPWorld, spmd
 
 pytestmark = pytest.mark.slow

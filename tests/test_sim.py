@@ -252,7 +252,7 @@ def test_judge_prompts_carry_the_response_at_the_configured_ratio(tmp_path):
     """`workload.judge_prompt_ratio`: a judge prompt is the template and problem plus ratio
     x the response's tokens. Same seed, ratios 1 and 3: every judge prompt grows by exactly
     twice its response (the 7B group's stand-ins, short lengths)."""
-    from pivotrl_hpc.runtime.messages import RoleKind
+    from pivotrl_hpc.protocol.messages import RoleKind
     from pivotrl_hpc.sim.profile import H20
     from pivotrl_hpc.sim.standin import stand_in
 

@@ -69,7 +69,7 @@ def test_the_modeled_genrm_charges_a_tail_less_than_a_full_batch(tmp_path):
     """The modeled worker times its iterations with the same model: a Step of one
     sequence costs 16 iterations at the one-sequence weight read."""
     from pivotrl_hpc.controller.clock import VirtualClock
-    from pivotrl_hpc.runtime.messages import AddSequences, RoleKind, SeqRequest, ShiftUp, Step
+    from pivotrl_hpc.protocol.messages import AddSequences, RoleKind, SeqRequest, ShiftUp, Step
     from pivotrl_hpc.sim.modeled import ModeledStore, ModeledWorker
 
     c = constants(tmp_path)

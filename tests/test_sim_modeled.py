@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from pivotrl_hpc.controller.clock import VirtualClock
-from pivotrl_hpc.engines.vllm.types import Sampling, StepOutput
-from pivotrl_hpc.runtime.messages import AddSequences, RoleKind, SeqRequest, ShiftUp, Step
+from pivotrl_hpc.protocol.engine import Sampling, StepOutput
+from pivotrl_hpc.protocol.messages import AddSequences, RoleKind, SeqRequest, ShiftUp, Step
 from pivotrl_hpc.sched.model import ThroughputModel
 from pivotrl_hpc.sim.modeled import ModeledStore, ModeledWorker, tokens_at
 
@@ -96,7 +96,7 @@ def test_prefill_is_charged_per_token_at_admission_and_again_after_a_migration()
     and resumed on another replica, it is prefilled again: 5,000 tokens, 113 ms."""
     from pivotrl_hpc.assets.cards import CARDS
     from pivotrl_hpc.gps.shapes import ModelShape
-    from pivotrl_hpc.runtime.messages import Abort
+    from pivotrl_hpc.protocol.messages import Abort
     from pivotrl_hpc.sim import profile as pf
 
     shape = ModelShape.from_hf_config(CARDS["Qwen3-30B-A3B"])
@@ -154,7 +154,7 @@ def test_only_max_num_seqs_sequences_decode_at_once_the_rest_wait_their_turn():
 def test_a_shift_down_while_idle_is_refused_as_the_live_worker_refuses_it():
     """DeviceWorker answers a ShiftDown of an idle device with RoleError; the modeled one
     answers with a failed reply that says why (it raised KeyError 'idle' before)."""
-    from pivotrl_hpc.runtime.messages import ShiftDown
+    from pivotrl_hpc.protocol.messages import ShiftDown
 
     w = worker({"a": 2})
     w.submit(ShiftDown())

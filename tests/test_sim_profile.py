@@ -128,7 +128,7 @@ def test_the_groups_differ_as_their_models_do(tmp_path):
 
 def test_modeled_training_time_grows_with_the_batch_tokens():
     from pivotrl_hpc.controller.clock import VirtualClock
-    from pivotrl_hpc.runtime.messages import TrainBatch, TrainStep
+    from pivotrl_hpc.protocol.messages import TrainBatch, TrainStep
     from pivotrl_hpc.sched.model import ThroughputModel
     from pivotrl_hpc.sim.modeled import ModeledStore, ModeledWorker
 

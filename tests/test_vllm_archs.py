@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pivotrl_hpc.engines.ports import free_port
-from pivotrl_hpc.engines.vllm.types import EngineOptions, Sampling
+from pivotrl_hpc.protocol.engine import EngineOptions, Sampling
 
 pytest.importorskip("vllm")
 

@@ -13,7 +13,8 @@ from dataclasses import replace
 import pytest
 
 from pivotrl_hpc.assets.models import SPECS
-from pivotrl_hpc.engines.vllm import EngineOptions, Sampling, VLLMEngine
+from pivotrl_hpc.engines.vllm import VLLMEngine
+from pivotrl_hpc.protocol.engine import EngineOptions, Sampling
 from pivotrl_hpc.engines.vllm.backend import check_cpu_head_size
 
 KV_BYTES = 64 * 2**20

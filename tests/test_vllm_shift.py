@@ -17,7 +17,8 @@ from dataclasses import replace
 import pytest
 
 from pivotrl_hpc.assets.models import SPECS, create_model
-from pivotrl_hpc.engines.vllm import EngineOptions, Sampling, VLLMEngine
+from pivotrl_hpc.engines.vllm import VLLMEngine
+from pivotrl_hpc.protocol.engine import EngineOptions, Sampling
 from pivotrl_hpc.engines.host import rss_bytes
 from pivotrl_hpc.engines.vllm.backend import gpu_available
 
@@ -130,7 +131,8 @@ def test_cpu_wake_refuses_parameters_the_reload_did_not_restore(policy_dir):
 FIRST_START_PROBE = """
 import gc, sys, weakref
 from safetensors.torch import load_file
-from pivotrl_hpc.engines.vllm import EngineOptions, VLLMEngine
+from pivotrl_hpc.engines.vllm import VLLMEngine
+from pivotrl_hpc.protocol.engine import EngineOptions
 folder = sys.argv[1]
 weights = load_file(folder + "/model.safetensors")
 refs = [weakref.ref(t) for t in weights.values()]
@@ -159,7 +161,8 @@ def test_first_start_does_not_pin_the_weights_handed_in(tiny_models):
 SHAPES_PROBE = """
 import ctypes, gc, random, sys
 from pivotrl_hpc.engines.host import trim_host_heap
-from pivotrl_hpc.engines.vllm import EngineOptions, Sampling, VLLMEngine
+from pivotrl_hpc.engines.vllm import VLLMEngine
+from pivotrl_hpc.protocol.engine import EngineOptions, Sampling
 
 class Info(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd",

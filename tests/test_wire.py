@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from pivotrl_hpc.engines.vllm.types import (AbortedSequence, EngineOptions, EngineState,
-                                            FinishedSequence, RunningSequence, Sampling,
-                                            SeqProgress, StepOutput)
+from pivotrl_hpc.protocol.engine import (AbortedSequence, EngineOptions, EngineState,
+                                         FinishedSequence, RunningSequence, Sampling, SeqProgress,
+                                         StepOutput)
 from pivotrl_hpc.gps.layout import ParallelPlace
 from pivotrl_hpc.runtime.engine_host import HOST_WIRE, GPSRead, TPWorld
 from pivotrl_hpc.runtime.host_forker import FORKER_WIRE, ForkRequest

@@ -16,7 +16,7 @@ import logging
 from typing import Any, Mapping
 
 from pivotrl_hpc.checkpoint.layout import CheckpointError
-from pivotrl_hpc.engines.vllm.types import Sampling
+from pivotrl_hpc.protocol.engine import Sampling
 
 log = logging.getLogger(__name__)
 

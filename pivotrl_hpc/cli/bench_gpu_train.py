@@ -69,7 +69,7 @@ def _spec(folder: Path):
 
 
 def _steps(worker, batches, publish_first: bool) -> list[dict]:
-    from pivotrl_hpc.runtime.messages import TrainStep
+    from pivotrl_hpc.protocol.messages import TrainStep
 
     return [_ok(worker.handle(TrainStep(b, publish=publish_first and i == 0))).result
             for i, b in enumerate(batches)]
@@ -78,7 +78,7 @@ def _steps(worker, batches, publish_first: bool) -> list[dict]:
 def reference(folder: Path, batches) -> list[dict]:
     """Three steps, no shift."""
     from pivotrl_hpc.runtime.local import local_worker
-    from pivotrl_hpc.runtime.messages import RoleKind, ShiftUp
+    from pivotrl_hpc.protocol.messages import RoleKind, ShiftUp
 
     with local_worker(_spec(folder), job="benchgpuref") as worker:
         _ok(worker.handle(ShiftUp(RoleKind.TRAINING)))
@@ -88,7 +88,7 @@ def reference(folder: Path, batches) -> list[dict]:
 def shifted(folder: Path, batches, device: str) -> dict:
     """Step 1 (published), shift down, shift up, steps 2 and 3; phases and device bytes."""
     from pivotrl_hpc.runtime.local import local_worker
-    from pivotrl_hpc.runtime.messages import RoleKind, ShiftDown, ShiftUp, WaitWrite
+    from pivotrl_hpc.protocol.messages import RoleKind, ShiftDown, ShiftUp, WaitWrite
 
     out: dict = {}
     with local_worker(_spec(folder), job="benchgpushift") as worker:

@@ -55,7 +55,7 @@ def budget(generated: int, rounds: int) -> int:
 
 def measure(engine, running: int = 16, migrate: int = 8, prompt_len: int = 64,
             generated: int = 32, replicas: int = 16, rounds: int = 5, seed: int = 0) -> dict:
-    from pivotrl_hpc.engines.vllm import Sampling
+    from pivotrl_hpc.protocol.engine import Sampling
     from pivotrl_hpc.sched.state import Sequence
 
     rng = random.Random(seed)
@@ -104,7 +104,8 @@ def measure(engine, running: int = 16, migrate: int = 8, prompt_len: int = 64,
 
 
 def main(args: argparse.Namespace) -> int:
-    from pivotrl_hpc.engines.vllm import EngineOptions, VLLMEngine
+    from pivotrl_hpc.engines.vllm import VLLMEngine
+    from pivotrl_hpc.protocol.engine import EngineOptions
 
     if not (args.model / "config.json").is_file():
         print(f"pivotrl bench migration: {args.model} is not a HF model folder "

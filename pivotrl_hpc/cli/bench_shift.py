@@ -47,9 +47,9 @@ def _median_phases(runs: list[dict[str, float]]) -> dict[str, float]:
 
 def bench_size(size: str, base: Path, repeat: int, engine_process: bool = True) -> dict:
     from pivotrl_hpc.engines.megatron.trainer import TrainerConfig
-    from pivotrl_hpc.engines.vllm.types import EngineOptions
+    from pivotrl_hpc.protocol.engine import EngineOptions
     from pivotrl_hpc.runtime.local import local_worker
-    from pivotrl_hpc.runtime.messages import RoleKind, ShiftDown, ShiftUp
+    from pivotrl_hpc.protocol.messages import RoleKind, ShiftDown, ShiftUp
     from pivotrl_hpc.runtime.worker import WorkerSpec
 
     dirs = _models(size, base)

@@ -63,7 +63,8 @@ def main(args: argparse.Namespace) -> int:
     if args.what == "links":
         from pivotrl_hpc.cli import profile_links
         return profile_links.main(args)
-    from pivotrl_hpc.engines.vllm import EngineOptions, VLLMEngine
+    from pivotrl_hpc.engines.vllm import VLLMEngine
+    from pivotrl_hpc.protocol.engine import EngineOptions
     from pivotrl_hpc.engines.vllm.profile import ProfileGrid, profile_and_fit, write_profile_yaml
 
     if not (args.model / "config.json").is_file():

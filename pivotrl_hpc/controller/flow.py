@@ -21,8 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from pivotrl_hpc.engines.vllm.types import Sampling, StepOutput
-from pivotrl_hpc.runtime.messages import SeqRequest
+from pivotrl_hpc.protocol.engine import Sampling, StepOutput
+from pivotrl_hpc.protocol.messages import SeqRequest
 from pivotrl_hpc.sched.scheduler import Scheduler
 from pivotrl_hpc.sched.state import Sequence
 

@@ -13,7 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence, runtime_checkable
 
-from pivotrl_hpc.runtime.messages import Command, Reply
+from pivotrl_hpc.protocol.messages import Command, Reply
 
 
 @runtime_checkable

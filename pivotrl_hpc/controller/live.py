@@ -28,7 +28,7 @@ from pivotrl_hpc.controller.policy import TauTracker, initial_tau, make_paradigm
 from pivotrl_hpc.controller.report import format_summary
 from pivotrl_hpc.controller.rl import Lengths, RLBook
 from pivotrl_hpc.plan.types import ReplicaSpec, ShiftPlan
-from pivotrl_hpc.runtime.messages import Shutdown
+from pivotrl_hpc.protocol.messages import Shutdown
 from pivotrl_hpc.task.task import build_task
 from pivotrl_hpc.engines.memory import replica_kv_tokens
 from pivotrl_hpc.sched.model import ThroughputModel

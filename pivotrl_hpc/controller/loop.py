@@ -31,11 +31,11 @@ from pivotrl_hpc.controller.report import NullTrace, Reporter
 from pivotrl_hpc.controller.rl import RLBook, Sample, Task
 from pivotrl_hpc.controller.samples import EvalTally, kept
 from pivotrl_hpc.controller.shifts import Executor, TrainingUnit
-from pivotrl_hpc.engines.vllm.types import Sampling
+from pivotrl_hpc.protocol.engine import Sampling
 from pivotrl_hpc.plan.snapshot import GEN_ROLES, WorkloadSnapshot
 from pivotrl_hpc.plan.types import AllocationPolicy, ShiftPlan
-from pivotrl_hpc.runtime.messages import (Prepare, QueryState, Reply, Shutdown, Step,
-                                          TrainBatch, TrainStep, WaitWrite)
+from pivotrl_hpc.protocol.messages import (Prepare, QueryState, Reply, Shutdown, Step, TrainBatch,
+                                           TrainStep, WaitWrite)
 from pivotrl_hpc.sched.scheduler import Scheduler
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 
-from pivotrl_hpc.runtime.messages import Command, Reply
+from pivotrl_hpc.protocol.messages import Command, Reply
 from pivotrl_hpc.runtime.serve import TAG_COMMAND, TAG_REPLY
 
 

@@ -15,7 +15,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
-from pivotrl_hpc.engines.vllm.types import Sampling
+from pivotrl_hpc.protocol.engine import Sampling
 from pivotrl_hpc.task.types import PromptData, Score  # noqa: F401 - the loop's vocabulary
 
 

@@ -13,8 +13,8 @@ from pivotrl_hpc.controller.handles import Devices
 from pivotrl_hpc.controller.policy import TauTracker
 from pivotrl_hpc.plan.snapshot import TRAINING
 from pivotrl_hpc.plan.types import ShiftPlan
-from pivotrl_hpc.runtime.messages import (Abort, AddSequences, Reload, Reply, RoleKind,
-                                          ShiftDown, ShiftUp)
+from pivotrl_hpc.protocol.messages import (Abort, AddSequences, Reload, Reply, RoleKind, ShiftDown,
+                                           ShiftUp)
 from pivotrl_hpc.sched.state import Replica
 
 log = logging.getLogger(__name__)

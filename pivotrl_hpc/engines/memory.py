@@ -81,7 +81,7 @@ class KVBudget:
     """One model's KV cache under `cfg`: bytes per device and tokens per replica."""
 
     def __init__(self, cfg: Any, model: str) -> None:
-        from pivotrl_hpc.engines.vllm.types import EngineOptions
+        from pivotrl_hpc.protocol.engine import EngineOptions
         from pivotrl_hpc.gps.shapes import itemsize
 
         m = getattr(cfg.models, model)

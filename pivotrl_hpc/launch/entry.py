@@ -232,7 +232,7 @@ class Rank:
         log.info("summary written to %s", self.paths.summary_json)
 
     def _shutdown_workers(self) -> None:
-        from pivotrl_hpc.runtime.messages import Shutdown
+        from pivotrl_hpc.protocol.messages import Shutdown
         from pivotrl_hpc.runtime.serve import WorkerHandle
 
         for rank in self.layout.worker_ranks:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from enum import Enum
 
-from pivotrl_hpc.runtime.messages import RoleKind
+from pivotrl_hpc.protocol.messages import RoleKind
 
 
 class ContextKind(str, Enum):

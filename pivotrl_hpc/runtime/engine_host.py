@@ -31,8 +31,8 @@ from multiprocessing import Pipe
 from pathlib import Path
 from typing import Any, Sequence
 
-from pivotrl_hpc.engines.vllm.types import (AbortedSequence, EngineOptions, EngineState,
-                                            Sampling, StepOutput)
+from pivotrl_hpc.protocol.engine import (AbortedSequence, EngineOptions, EngineState, Sampling,
+                                         StepOutput)
 from pivotrl_hpc.runtime import host_forker
 # The host's vocabulary lives below both ends of the pipe; re-exported for callers.
 from pivotrl_hpc.runtime.host_wire import (HOST_WIRE, GPSRead, TPWorld,  # noqa: F401

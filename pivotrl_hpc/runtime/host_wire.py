@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pivotrl_hpc.engines.vllm.types import (AbortedSequence, EngineOptions, EngineState,
-                                            FinishedSequence, RunningSequence, Sampling,
-                                            SeqProgress, StepOutput)
+from pivotrl_hpc.protocol.engine import (AbortedSequence, EngineOptions, EngineState,
+                                         FinishedSequence, RunningSequence, Sampling, SeqProgress,
+                                         StepOutput)
 from pivotrl_hpc.gps.layout import ParallelPlace
 from pivotrl_hpc.runtime.wire import Codec
 

@@ -19,7 +19,7 @@ def local_worker(spec: WorkerSpec, job: str | None = None,
     """Start a GPS node agent over `spec.model_dirs`, yield a worker reading from it; on exit
     shut the worker down, stop the agent and remove every segment."""
     from pivotrl_hpc.gps.local import local_agent
-    from pivotrl_hpc.runtime.messages import Shutdown
+    from pivotrl_hpc.protocol.messages import Shutdown
 
     with local_agent(spec.model_dirs, job=job or f"local{os.getpid()}", node=node) as agent:
         client = agent.client()

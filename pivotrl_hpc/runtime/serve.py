@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from pivotrl_hpc.runtime.messages import Command, Reply, Shutdown
+from pivotrl_hpc.protocol.messages import Command, Reply, Shutdown
 from pivotrl_hpc.runtime.worker import DeviceWorker
 
 log = logging.getLogger(__name__)

@@ -106,7 +106,7 @@ def engine_options(cfg: Any, model: str):
     weight shard and the workspace (engines/memory.py), or `roles.kv_cache_mb` split over
     the ranks where the config sets it."""
     from pivotrl_hpc.engines.memory import KVBudget
-    from pivotrl_hpc.engines.vllm.types import EngineOptions
+    from pivotrl_hpc.protocol.engine import EngineOptions
 
     m, size = getattr(cfg.models, model), replica_size(cfg, model)
     kv = KVBudget(cfg, model)

@@ -18,10 +18,10 @@ from typing import Any, Callable, Mapping
 from pivotrl_hpc.engines.host import peak_rss_bytes
 from pivotrl_hpc.runtime import checkpoint
 from pivotrl_hpc.runtime.context import ContextKind, phase
-from pivotrl_hpc.runtime.messages import (
-    ROLE_MODEL, Abort, AddSequences, Command, QueryState, Reload, Reply, RoleKind,
-    Prepare, SaveCheckpoint, ShiftDown, ShiftUp, Shutdown, Step, TrainBatch, TrainStep,
-    WaitWrite)
+from pivotrl_hpc.protocol.messages import (ROLE_MODEL, Abort, AddSequences, Command, QueryState,
+                                           Reload, Reply, RoleKind, Prepare, SaveCheckpoint,
+                                           ShiftDown, ShiftUp, Shutdown, Step, TrainBatch,
+                                           TrainStep, WaitWrite)
 from pivotrl_hpc.runtime.worker_engines import WorkerEngines, engine_phases
 # What a worker is made of sits below both the worker and its engines; re-exported.
 from pivotrl_hpc.runtime.worker_spec import ParameterStore, RoleError, WorkerSpec  # noqa: F401
@@ -237,7 +237,7 @@ class DeviceWorker:
         if self.role != RoleKind.TRAINING:
             raise RoleError(f"train step while {self.role.value}")
         t0 = time.perf_counter()
-        batch = cmd.batch.to_rollout_batch() if isinstance(cmd.batch, TrainBatch) else cmd.batch
+        batch = _rollout_batch(cmd.batch) if isinstance(cmd.batch, TrainBatch) else cmd.batch
         metrics = dict(self.trainer.train_step(batch))
         phases = {"train_step": time.perf_counter() - t0}
         if cmd.publish:
@@ -315,6 +315,14 @@ class DeviceWorker:
         self.engines.clear()
         self.role, self.replica = RoleKind.IDLE, -1
         return requeue, phases
+
+
+def _rollout_batch(b: TrainBatch, pad_id: int = 0):
+    """The trainer's tensors of a batch the controller sent as plain lists."""
+    from pivotrl_hpc.engines.megatron.batch import RolloutBatch
+
+    return RolloutBatch.from_sequences(b.prompts, b.responses, b.logprobs, b.rewards,
+                                       b.group_ids, pad_id=pad_id)
 
 
 def read_current(store: ParameterStore, model: str, place, **kw) -> tuple[Any, int | None]:

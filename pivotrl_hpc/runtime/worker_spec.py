@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Protocol
 
-from pivotrl_hpc.engines.vllm.types import EngineOptions
+from pivotrl_hpc.protocol.engine import EngineOptions
 from pivotrl_hpc.gps.layout import ParallelPlace
 
 

@@ -1,6 +1,6 @@
 """Modeled device workers on virtual time: the controller's `WorkerHandle` without engines.
 
-Each worker answers the real `runtime.messages` commands at virtual times given by the
+Each worker answers the real `protocol.messages` commands at virtual times given by the
 throughput model (a Step of n sequences holding t tokens takes A*t + max(B, C*n) + D per
 iteration) and by per-role shift seconds. Generated tokens are a pure function of the
 sequence id and position, so a sequence aborted on one worker and resumed on another
@@ -17,11 +17,11 @@ from pathlib import Path
 
 from pivotrl_hpc.controller.clock import VirtualClock
 from pivotrl_hpc.controller.flow import STALL_STEPS
-from pivotrl_hpc.engines.vllm.types import (AbortedSequence, EngineOptions, FinishedSequence,
-                                            SeqProgress, StepOutput)
-from pivotrl_hpc.runtime.messages import (Abort, AddSequences, Command, Prepare, QueryState,
-                                          Reload, Reply, RoleKind, SaveCheckpoint, ShiftDown,
-                                          ShiftUp, Shutdown, Step, TrainStep, WaitWrite)
+from pivotrl_hpc.protocol.engine import (AbortedSequence, EngineOptions, FinishedSequence,
+                                         SeqProgress, StepOutput)
+from pivotrl_hpc.protocol.messages import (Abort, AddSequences, Command, Prepare, QueryState,
+                                           Reload, Reply, RoleKind, SaveCheckpoint, ShiftDown,
+                                           ShiftUp, Shutdown, Step, TrainStep, WaitWrite)
 from pivotrl_hpc.sched.model import ThroughputModel
 
 

@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from pivotrl_hpc.engines.vllm.types import EngineOptions, Sampling
+from pivotrl_hpc.protocol.engine import EngineOptions, Sampling
 from pivotrl_hpc.gps.local import local_agent
 from pivotrl_hpc.runtime.engine_host import EngineHost, GPSRead, TPWorld, spmd
 

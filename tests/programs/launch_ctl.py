@@ -10,7 +10,7 @@ from pathlib import Path
 
 from pivotrl_hpc.launch import cgroup
 from pivotrl_hpc.launch.layout import RunPaths
-from pivotrl_hpc.runtime.messages import QueryState, Shutdown
+from pivotrl_hpc.protocol.messages import QueryState, Shutdown
 from pivotrl_hpc.runtime.serve import WorkerHandle
 
 PROGRESS = logging.getLogger("pivotrl_hpc.controller.launch_test")  # -> rank 0's stdout

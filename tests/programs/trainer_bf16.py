@@ -23,7 +23,7 @@ from pivotrl_hpc.engines.megatron.batch import RolloutBatch
 from pivotrl_hpc.engines.megatron.model import ModelBuildConfig
 from pivotrl_hpc.engines.megatron.trainer import OptimConfig, TrainerConfig
 from pivotrl_hpc.runtime.local import local_worker
-from pivotrl_hpc.runtime.messages import RoleKind, ShiftDown, ShiftUp, TrainStep, WaitWrite
+from pivotrl_hpc.protocol.messages import RoleKind, ShiftDown, ShiftUp, TrainStep, WaitWrite
 from pivotrl_hpc.runtime.worker import WorkerSpec
 
 
@@ -108,7 +108,7 @@ def checkpoint_round_trip(w, batch) -> tuple[dict, dict]:
     from safetensors.torch import load_file
 
     from pivotrl_hpc.runtime.checkpoint import load_training
-    from pivotrl_hpc.runtime.messages import SaveCheckpoint
+    from pivotrl_hpc.protocol.messages import SaveCheckpoint
 
     tr, folder = w.trainer, Path(tempfile.mkdtemp(prefix="ckpt"))
     ok(w.handle(TrainStep(batch)))

@@ -12,9 +12,9 @@ import sys
 from rendezvous import init_world_of_one
 from worker_roles import RecordingStore, hf_greedy, ok, reqs, run_to_end, tokens
 
-from pivotrl_hpc.engines.vllm.types import EngineOptions
+from pivotrl_hpc.protocol.engine import EngineOptions
 from pivotrl_hpc.runtime.local import local_worker
-from pivotrl_hpc.runtime.messages import RoleKind, ShiftDown, ShiftUp
+from pivotrl_hpc.protocol.messages import RoleKind, ShiftDown, ShiftUp
 from pivotrl_hpc.runtime.worker import WorkerSpec
 
 N_NEW = 8

@@ -13,9 +13,9 @@ import sys
 
 from mpi4py import MPI
 
-from pivotrl_hpc.engines.vllm.types import EngineOptions, Sampling
-from pivotrl_hpc.runtime.messages import (
-    AddSequences, RoleKind, SeqRequest, ShiftDown, ShiftUp, Shutdown, Step, TrainStep, WaitWrite)
+from pivotrl_hpc.protocol.engine import EngineOptions, Sampling
+from pivotrl_hpc.protocol.messages import (AddSequences, RoleKind, SeqRequest, ShiftDown, ShiftUp,
+                                           Shutdown, Step, TrainStep, WaitWrite)
 from pivotrl_hpc.runtime.serve import WorkerHandle, serve
 
 GREEDY = Sampling(temperature=0.0, ignore_eos=True)

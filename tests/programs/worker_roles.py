@@ -18,11 +18,11 @@ from rendezvous import init_world_of_one
 from pivotrl_hpc.engines.host import rss_bytes
 from pivotrl_hpc.engines.megatron.batch import RolloutBatch
 from pivotrl_hpc.engines.megatron.trainer import OptimConfig, TrainerConfig
-from pivotrl_hpc.engines.vllm.types import EngineOptions, Sampling
+from pivotrl_hpc.protocol.engine import EngineOptions, Sampling
 from pivotrl_hpc.runtime.local import local_worker
-from pivotrl_hpc.runtime.messages import (
-    Abort, AddSequences, QueryState, RoleKind, SeqRequest, ShiftDown, ShiftUp, Shutdown, Step,
-    TrainStep, WaitWrite)
+from pivotrl_hpc.protocol.messages import (Abort, AddSequences, QueryState, RoleKind, SeqRequest,
+                                           ShiftDown, ShiftUp, Shutdown, Step, TrainStep,
+                                           WaitWrite)
 from pivotrl_hpc.runtime.worker import WorkerSpec
 
 GREEDY = Sampling(temperature=0.0, ignore_eos=True)

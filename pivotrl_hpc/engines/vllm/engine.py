@@ -17,17 +17,35 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from pivotrl_hpc.engines.host import trim_host_heap
 from pivotrl_hpc.engines.vllm import backend, cpu_sleep
-from pivotrl_hpc.engines.vllm.types import (AbortedSequence, EngineOptions, EngineState,
-                                            FinishedSequence, RunningSequence, Sampling,
-                                            SeqProgress, StepOutput, _SeqRecord)
+from pivotrl_hpc.protocol.engine import (AbortedSequence, EngineOptions, EngineState,
+                                         FinishedSequence, RunningSequence, Sampling,
+                                         SeqProgress, StepOutput)
 
 log = logging.getLogger(__name__)
 
 Weights = Mapping | Iterable  # Mapping[str, Tensor] or Iterable[tuple[str, Tensor]]
+
+
+@dataclass
+class _SeqRecord:
+    """Adapter-side bookkeeping of one sequence: the source of truth for abort/resume."""
+
+    seq_id: str
+    prompt_ids: list[int]
+    generated_ids: list[int]
+    logprobs: list[float]
+    max_new_tokens: int  # budget left at the time of this submission
+    sampling: Sampling
+    emitted_this_submission: int = 0
+
+    @property
+    def remaining(self) -> int:
+        return self.max_new_tokens - self.emitted_this_submission
 
 
 class VLLMEngine:

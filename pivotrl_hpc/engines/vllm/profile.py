@@ -15,7 +15,7 @@ from pathlib import Path
 
 from pivotrl_hpc.engines.vllm.backend import model_config
 from pivotrl_hpc.engines.vllm.engine import VLLMEngine
-from pivotrl_hpc.engines.vllm.types import Sampling
+from pivotrl_hpc.protocol.engine import Sampling
 from pivotrl_hpc.sched.fit import FitResult, ThroughputSample, fit_throughput_model
 
 log = logging.getLogger(__name__)

@@ -157,20 +157,3 @@ class EngineState:
     @property
     def num_tokens(self) -> int:
         return sum(s.num_tokens for s in self.running)
-
-
-@dataclass
-class _SeqRecord:
-    """Adapter-side bookkeeping of one sequence: the source of truth for abort/resume."""
-
-    seq_id: str
-    prompt_ids: list[int]
-    generated_ids: list[int]
-    logprobs: list[float]
-    max_new_tokens: int  # budget left at the time of this submission
-    sampling: Sampling
-    emitted_this_submission: int = 0
-
-    @property
-    def remaining(self) -> int:
-        return self.max_new_tokens - self.emitted_this_submission

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from pivotrl_hpc.engines.vllm.types import Sampling
+from pivotrl_hpc.protocol.engine import Sampling
 
 
 class RoleKind(str, Enum):
@@ -55,7 +55,7 @@ class SeqRequest:
 
     @classmethod
     def resume(cls, aborted) -> "SeqRequest":
-        """Re-queue an aborted sequence (engines.vllm.types.AbortedSequence): same prompt,
+        """Re-queue an aborted sequence (protocol.engine.AbortedSequence): same prompt,
         the tokens so far and the remaining budget, so generation resumes (appendix C.1)."""
         return cls(aborted.seq_id, tuple(aborted.prompt_ids), tuple(aborted.generated_ids),
                    tuple(aborted.logprobs), aborted.max_new_tokens_remaining, aborted.sampling)
@@ -89,12 +89,6 @@ class TrainBatch:
     def __len__(self) -> int:
         return len(self.prompts)
 
-    def to_rollout_batch(self, pad_id: int = 0):
-        from pivotrl_hpc.engines.megatron.batch import RolloutBatch
-
-        return RolloutBatch.from_sequences(self.prompts, self.responses, self.logprobs,
-                                           self.rewards, self.group_ids, pad_id=pad_id)
-
 
 @dataclass(frozen=True)
 class Reload:
@@ -105,7 +99,7 @@ class Reload:
 
 @dataclass(frozen=True)
 class TrainStep:
-    batch: Any            # engines.megatron.batch.RolloutBatch
+    batch: Any            # TrainBatch (over MPI); in-process callers may pass a RolloutBatch
     publish: bool = True  # GPS Write of the updated policy after the step
 
 
