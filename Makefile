@@ -7,7 +7,7 @@ MODELS := .run/models
 PYTEST_ARGS ?=
 export UCX_MODULES := ^ib,rdmacm
 
-.PHONY: setup models run test test-fast cluster-up cluster-down cluster-status clean
+.PHONY: setup models run lint test test-fast cluster-up cluster-down cluster-status clean
 
 setup:
 	@scripts/setup.sh
@@ -30,12 +30,17 @@ run: models
 	$(VENV)/bin/pivotrl config configs/tiny-cpu.yaml > /dev/null
 	$(VENV)/bin/pivotrl run configs/tiny-cpu.yaml
 
+# `--durations=15`: CI prints the slowest tests (the suite's 30-minute bound, issue 51).
 # The cluster stays up after the suite (a service, like a real site's controller) so that
 # `pivotrl doctor` and later runs find it; `make cluster-down` stops it.
-test: setup cluster-up
-	@eval "$$(slurm/local/cluster.sh env)" && $(PY) -m pytest $(PYTEST_ARGS)
+# ruff first: it takes well under a second and fails before the 30-minute suite starts.
+lint: setup
+	$(VENV)/bin/ruff check .
 
-test-fast: setup
+test: setup lint cluster-up
+	@eval "$$(slurm/local/cluster.sh env)" && $(PY) -m pytest --durations=15 $(PYTEST_ARGS)
+
+test-fast: setup lint
 	$(PY) -m pytest -m "not slurm and not slow" $(PYTEST_ARGS)
 
 clean: cluster-down

@@ -43,7 +43,8 @@ def main(args: argparse.Namespace) -> int:
     s = simulate(cfg, SimConstants.from_config(cfg))
     wall = time.perf_counter() - t0
     print(json.dumps({"gpus": args.gpus, "paradigm": args.paradigm, "steps": s["steps"],
-                      "wall_s": round(wall, 3), "wall_s_per_step": round(wall / max(1, s["steps"]), 3),
+                      "wall_s": round(wall, 3),
+                      "wall_s_per_step": round(wall / max(1, s["steps"]), 3),
                       "virtual_s": round(s["seconds"], 3), "shifts": s["shifts"],
                       "samples_per_step": cfg.rl.batch_size * cfg.rl.group_size,
                       "tokens_per_s": s["tokens_per_s"]}, indent=1))

@@ -3,9 +3,9 @@
 Runs a real `pivotrl run` and, once the trace shows step `--early` (20) and again at the last
 step, samples every rank and its engine hosts: RSS (VmRSS), open file descriptors, and the
 job's bytes in /dev/shm (its GPS folder files, by allocated blocks); each the least of five
-readings a second apart, as a reading taken inside a shift sees a half-built engine. Prints, per process and
-in total, both samples and the ratio late / early, and `within` (every ratio <= 1 + the
-tolerance, 5 %). Progress on stderr.
+readings a second apart, as a reading taken inside a shift sees a half-built engine. Prints,
+per process and in total, both samples and the ratio late / early, and `within` (every
+ratio <= 1 + the tolerance, 5 %). Progress on stderr.
 
 `--contention N` is another soak: the tiny job under every paradigm, `--runs` times each,
 while N CPU spinners compete (`bench_contention`: races show under load).

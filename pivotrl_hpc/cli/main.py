@@ -88,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     cmd = by_name[args.command]
     if cmd.pending is not None:
-        print(f"pivotrl {cmd.name}: not available yet (arrives with {cmd.pending})", file=sys.stderr)
+        print(f"pivotrl {cmd.name}: not available yet (arrives with {cmd.pending})",
+              file=sys.stderr)
         return 2
     return int(importlib.import_module(cmd.module).main(args) or 0)
 

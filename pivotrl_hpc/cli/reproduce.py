@@ -157,9 +157,10 @@ def summary(results: dict, out: Path) -> str:
         lines.append("  Table 2 (GPUs: planner s): " + ", ".join(
             f"{r['gpus']}: {r['total_s']:.3f}" for r in results["table2"]["rows"]))
     if "beyond" in results:
-        lines.append("  Beyond the paper (online fit over the fixed-constant planner): " + ", ".join(
-            f"{n} {v:.3f}x" for n, v in results["beyond"]["online_over"].items())
-            + f" (goal {results['beyond']['goal']}x)")
+        over = results["beyond"]["online_over"]
+        lines.append("  Beyond the paper (online fit over the fixed-constant planner): "
+                     + ", ".join(f"{n} {v:.3f}x" for n, v in over.items())
+                     + f" (goal {results['beyond']['goal']}x)")
     return "\n".join(lines)
 
 
@@ -205,7 +206,7 @@ def calibrate(args: argparse.Namespace) -> int:
     for g in groups:
         t0, fixed = time.monotonic(), cal.FIXED[g]
 
-        def evaluate(params: dict[str, float], g=g, fixed=fixed) -> dict[str, float]:
+        def evaluate(params: dict[str, float], g=g, fixed=fixed, t0=t0) -> dict[str, float]:
             extra = (*fixed.overrides(), f"rl.steps={steps}",
                      *(f"calibration.{k}={v!r}" for k, v in params.items()))
             # Figure 3's group writes traces, so that its last run set serves fig3 too
@@ -226,7 +227,7 @@ def calibrate(args: argparse.Namespace) -> int:
             result = cal.fit(evaluate, {p: paper.FIG9[g][p] for p in cal.BASELINES}, start,
                              args.iterations, None if args.measured_jacobian else cal.PRIOR,
                              history)
-        except Exception as e:   # a simulator failure: keep what was measured, say why
+        except Exception as e:  # noqa: BLE001 - keep what was measured, say why
             error = f"{type(e).__name__}: {e}"
             print(f"calibrate: {g} stopped: {error}", file=sys.stderr)
             result = cal.best(history, start)

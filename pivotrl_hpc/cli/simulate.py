@@ -33,7 +33,8 @@ SHOWN = ("tokens_per_s", "steady_tokens_per_s", "seconds", "shifts", "idle_fract
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("config")
-    p.add_argument("--paradigms", default="all", help="comma separated, or all (bench e2e's PARADIGMS: the paper's four "
+    p.add_argument("--paradigms", default="all",
+                   help="comma separated, or all (bench e2e's PARADIGMS: the paper's four "
                         "and rr_colocated_pooled)")
     p.add_argument("--from-trace", default=None,
                    help="take shift, training and throughput constants from a live trace")

@@ -6,8 +6,9 @@ The job's user owns the folder `<PIVOTRL_SHM_DIR or /dev/shm>/pivotrl-u<uid>-<su
 moment (RENAME_EXCHANGE), so root never uses a path into it twice (issue 35): the folder is
 opened once, O_DIRECTORY | O_NOFOLLOW, its owner checked on the descriptor, and everything
 after goes through that descriptor: listing, the owner check of each entry (never following
-a link), unlinkat, and the flock that says no live agent of the user's other jobs holds it. Nothing is ever created (the old `flock FILE` opened with
-O_CREAT after a `-L` check, and a swap made root create a file wherever a symlink pointed).
+a link), unlinkat, and the flock that says no live agent of the user's other jobs holds it.
+Nothing is ever created (the old `flock FILE` opened with O_CREAT after a `-L` check, and a
+swap made root create a file wherever a symlink pointed).
 The folder itself is removed by name from the shm root only if that name still is the
 folder that was locked; the sticky shm root lets the user put nothing else there.
 """

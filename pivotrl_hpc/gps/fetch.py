@@ -43,7 +43,7 @@ class Pull:
                 self.attempts += 1
                 self.pending = self.start()
             return self.pending.done()
-        except Exception as e:  # noqa: BLE001 - any transport failure: retry, then report
+        except Exception as e:  # any transport failure: retry, then report
             self.pending = None
             if self.attempts >= MAX_ATTEMPTS:
                 raise TransferError(f"{self.what}: transfer from node {self.src} failed "

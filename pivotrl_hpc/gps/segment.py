@@ -28,7 +28,7 @@ import torch
 from pivotrl_hpc.gps import device
 from pivotrl_hpc.gps.layout import TensorInfo
 from pivotrl_hpc.gps.shmdir import ROOT as SHM_ROOT
-from pivotrl_hpc.gps.shmdir import SHM_DIR, GPSMemoryError, reserve_file  # noqa: F401
+from pivotrl_hpc.gps.shmdir import SHM_DIR, GPSMemoryError, reserve_file
 
 log = logging.getLogger(__name__)
 

@@ -104,7 +104,7 @@ class Stopper:
             fn = self.cleanups.pop()
             try:
                 fn()
-            except Exception:  # noqa: BLE001 - every cleanup gets its turn
+            except Exception:  # every cleanup gets its turn
                 log.exception("cleanup %r failed", fn)
 
     def _expire(self) -> None:

@@ -22,5 +22,5 @@ __all__ = [
     "RolePool", "RuleBasedPolicy", "SeqState", "ShiftPair", "ShiftPlan", "SnapshotError",
     "StaticPolicy", "TRAINING", "TRAINING_ID", "TrainingState", "VanillaPlanner",
     "VanillaTMPlanner", "WorkloadSnapshot", "construct_candidates", "harmonic_throughput",
-    "make_policy", "prepare_shift_pairs", "select_shift_up_role", "synthetic_snapshot",
+    "make_policy", "parallel", "prepare_shift_pairs", "select_shift_up_role", "synthetic_snapshot",
 ]

@@ -114,7 +114,7 @@ def _simulator(key: str, blob: bytes | None, config: Config) -> MigrationSimulat
     """Worker side: a fresh simulator (no cached results) from the shipped or installed
     state."""
     if blob is not None:
-        return pickle.loads(blob)
+        return pickle.loads(blob)  # noqa: S301 - from this process's own pool parent
     snap = _SNAPSHOTS.get(key)
     if snap is None:
         raise LookupError(f"snapshot {key} is not installed in this worker: create the pool "

@@ -22,8 +22,9 @@ six of those eight imports. The forker is one process per node, shared by every 
   is open and every host it forked is gone, and closes its listener first, so the name is
   free at once for a new forker; a session that reached it meanwhile is reset unanswered,
   and its worker starts a new forker (`server_pid`, issue 47). While it imports it dies with
-  its starter (parent death signal). SIGTERM / SIGHUP / SIGINT are ignored (Slurm signals every process
-  of the step; the workers decide when hosts stop). The server side is `host_forker_server`.
+  its starter (parent death signal). SIGTERM / SIGHUP / SIGINT are ignored (Slurm signals
+  every process of the step; the workers decide when hosts stop). The server side is
+  `host_forker_server`.
 - Fork: a request carries the host's end of its pipe to the worker, a status pipe and the
   worker's stderr; the forker forks the host with them, answers its pid, and writes its exit
   code to the status pipe when it reaps it. `ForkedHost` is the worker's handle: pid, exit

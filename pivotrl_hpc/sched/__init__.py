@@ -6,7 +6,8 @@ from pivotrl_hpc.sched.scheduler import AbortSpec, MigrationResult, Move, Schedu
 from pivotrl_hpc.sched.state import KVOverflow, Replica, SchedulerError, Sequence, WaitingQueue
 
 __all__ = [
-    "AbortSpec", "BinaryThroughputModel", "DispatchIndex", "FitResult", "KVOverflow", "MigrationResult",
-    "Move", "OpCounter", "Replica", "ReplicaThroughput", "Scheduler", "SchedulerError",
-    "Sequence", "ThroughputModel", "ThroughputSample", "WaitingQueue", "fit_throughput_model",
+    "AbortSpec", "BinaryThroughputModel", "DispatchIndex", "FitResult", "KVOverflow",
+    "MigrationResult", "Move", "OpCounter", "Replica", "ReplicaThroughput", "Scheduler",
+    "SchedulerError", "Sequence", "ThroughputModel", "ThroughputSample", "WaitingQueue",
+    "fit_throughput_model",
 ]

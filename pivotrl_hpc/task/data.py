@@ -93,7 +93,7 @@ def _parquet_rows(path: Path, keys: DataKeys):
 
     try:
         table = pq.read_table(path)
-    except Exception as e:   # pyarrow raises ArrowInvalid, OSError, ... for a bad file
+    except Exception as e:  # noqa: BLE001 - pyarrow: ArrowInvalid, OSError, ...
         raise DatasetError(f"{path}: not a readable parquet file ({e})") from None
     for key in (keys.prompt_key, keys.answer_key):
         top = key.split(".")[0]

@@ -28,7 +28,7 @@ class ChatRenderer:
                                       f"{', '.join(CHAT_TEMPLATES)}")
         try:
             self.tok = AutoTokenizer.from_pretrained(str(model_dir))
-        except Exception as e:   # transformers raises OSError, ValueError, ... for a bad folder
+        except Exception as e:  # noqa: BLE001 - OSError, ValueError, ...
             raise TaskError(key, f"{model_dir}: no usable tokenizer ({type(e).__name__}: "
                                  f"{e})") from None
         self.mode, self.size = chat_template, len(self.tok)

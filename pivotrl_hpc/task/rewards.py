@@ -138,7 +138,7 @@ def _import(spec: str) -> Callable[..., Any]:
             module = importlib.import_module(where)
     except TaskError:
         raise
-    except Exception as e:   # the user's module may raise anything on import
+    except Exception as e:  # noqa: BLE001 - the user's module may raise anything on import
         raise TaskError(KEY, f"{spec}: importing {where} failed: {type(e).__name__}: {e}"
                         ) from None
     fn = getattr(module, name, None)
@@ -163,7 +163,7 @@ def load_scorer(spec: str, dry: tuple[str, str, str, dict]) -> Scorer:
         scorer(*dry)
     except TaskError:
         raise
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - the user's scorer may raise anything: named below
         raise TaskError(KEY, f"{spec} failed on a dry sample (data_source={dry[0]!r}, "
                              f"ground_truth={dry[2]!r}): {type(e).__name__}: {e}") from None
     return scorer

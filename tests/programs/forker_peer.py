@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # tests/: proc_util
-from proc_util import ppid  # noqa: E402
+from proc_util import ppid
 
 from pivotrl_hpc.launch import cgroup
 from pivotrl_hpc.runtime import host_forker

@@ -13,13 +13,13 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import torch  # noqa: E402
-from safetensors.torch import load_file  # noqa: E402
+import torch
+from safetensors.torch import load_file
 
-from pivotrl_hpc.gps.client import GPSClient  # noqa: E402
-from pivotrl_hpc.gps.convert import hf_to_megatron  # noqa: E402
-from pivotrl_hpc.gps.layout import ParallelPlace  # noqa: E402
-from pivotrl_hpc.gps.shapes import ModelShape  # noqa: E402
+from pivotrl_hpc.gps.client import GPSClient
+from pivotrl_hpc.gps.convert import hf_to_megatron
+from pivotrl_hpc.gps.layout import ParallelPlace
+from pivotrl_hpc.gps.shapes import ModelShape
 
 PROMPT = [5 + (i * 37) % 500 for i in range(24)]
 

@@ -32,11 +32,11 @@ def preload_megatron() -> None:
     """Import the Megatron-Core modules a trainer build imports (2 CPU-s): a worker does it
     at job start-up, so that its first shift up to training is not spent importing under
     the device's CPU cap."""
-    import megatron.core.distributed  # noqa: F401
-    import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401
-    import megatron.core.optimizer  # noqa: F401
-    import megatron.core.tensor_parallel  # noqa: F401
-    import megatron.core.transformer.module  # noqa: F401
+    import megatron.core.distributed
+    import megatron.core.models.gpt.gpt_layer_specs
+    import megatron.core.optimizer
+    import megatron.core.tensor_parallel
+    import megatron.core.transformer.module  # noqa: F401 - loaded, not named
 
 
 @dataclass(frozen=True)
