@@ -63,7 +63,7 @@ def _run_job(config: str, models: Path, trace: Path, overrides: list[str],
         proc.kill()
         output = proc.communicate()[0]
         raise AssertionError(f"{config} {overrides} did not finish in {timeout_s:.0f} s:\n"
-                             + output[-4000:])
+                             + output[-4000:]) from None
     assert proc.returncode == 0, output[-4000:]
     # this job's leftovers only: another job on the machine may hold segments meanwhile
     job = (trace.with_suffix(".logs") / "job").read_text().strip()

@@ -29,7 +29,8 @@ class SlurmCluster:
     started_here: bool
     _lease: object = field(default=None, repr=False)
 
-    def run(self, *cmd: str, timeout: float = 30, check: bool = True, **kw) -> subprocess.CompletedProcess:
+    def run(self, *cmd: str, timeout: float = 30, check: bool = True,
+            **kw) -> subprocess.CompletedProcess:
         """Run a Slurm client (or anything) against this cluster; text output captured."""
         p = subprocess.run(list(cmd), env=kw.pop("env", self.env), capture_output=True, text=True,
                            timeout=timeout, **kw)
@@ -72,14 +73,17 @@ def acquire_cluster(run_dir: Path | None = None, timeout: float = 90) -> SlurmCl
     fcntl.flock(lease, fcntl.LOCK_SH)
     env = {**os.environ, "PIVOT_SLURM_RUN_DIR": str(run_dir)}
     # start is idempotent and serialised by cluster.sh's own lock; "already up" = not ours
-    p = subprocess.run([str(CLUSTER_SH), "start"], env=env, capture_output=True, text=True, timeout=timeout)
+    p = subprocess.run([str(CLUSTER_SH), "start"], env=env, capture_output=True, text=True,
+                       timeout=timeout)
     if p.returncode != 0:
         lease.close()
-        raise RuntimeError(f"slurm/local/cluster.sh start failed (rc={p.returncode}):\n{p.stdout}\n{p.stderr}")
+        raise RuntimeError(f"slurm/local/cluster.sh start failed (rc={p.returncode}):\n"
+                           f"{p.stdout}\n{p.stderr}")
     started = "already up" not in p.stdout
     if started:
         (run_dir / "pytest.started").touch()  # a pytest session owns this cluster
-    return SlurmCluster(run_dir=run_dir, env=_cluster_env(run_dir), started_here=started, _lease=lease)
+    return SlurmCluster(run_dir=run_dir, env=_cluster_env(run_dir), started_here=started,
+                        _lease=lease)
 
 
 def release_cluster(cluster: SlurmCluster) -> bool:
@@ -97,7 +101,8 @@ def release_cluster(cluster: SlurmCluster) -> bool:
         if not marker.exists():
             return False
         env = {**os.environ, "PIVOT_SLURM_RUN_DIR": str(cluster.run_dir)}
-        subprocess.run([str(CLUSTER_SH), "stop"], env=env, capture_output=True, timeout=60, check=True)
+        subprocess.run([str(CLUSTER_SH), "stop"], env=env, capture_output=True, timeout=60,
+                       check=True)
         marker.unlink(missing_ok=True)
         return True
     finally:
@@ -114,7 +119,8 @@ def job_state(cluster: SlurmCluster, job_id: str) -> str | None:
     return dict(t.split("=", 1) for t in info.split() if "=" in t).get("JobState")
 
 
-def wait_job(cluster: SlurmCluster, job_id: str, output: Path | None = None, timeout: float = 30) -> JobResult:
+def wait_job(cluster: SlurmCluster, job_id: str, output: Path | None = None,
+             timeout: float = 30) -> JobResult:
     """Wait until the job has ended for good (at most `timeout` s, then cancel it and fail),
     then return its final state and exit code (scontrol) and its output file's text. A final
     JobState, not an empty squeue: a job being requeued leaves the queue for a moment

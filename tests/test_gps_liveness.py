@@ -1,8 +1,8 @@
 """GPS under faults (issue 11): a client whose agent is gone gets GPSUnavailable within 5 s
 without spinning; a failed pin frees its version; another account cannot use the agent or
-make a client read planted files, nor put anything in the user's GPS folder; idle connections and a client that never reads its
-replies do not stop the agent serving the job (now in test_gps_agent_faults.py, with the
-floods of issue 35)."""
+make a client read planted files, nor put anything in the user's GPS folder; idle
+connections and a client that never reads its replies do not stop the agent serving the job
+(now in test_gps_agent_faults.py, with the floods of issue 35)."""
 from __future__ import annotations
 
 import json
@@ -226,7 +226,7 @@ def test_sweep_leaves_another_users_files(other_user):
         shmdir.remove_if_unused()
 
 
-# ---- this user's 0700 folder (issue 11.2) ----------------------------------------------------------
+# ---- this user's 0700 folder (issue 11.2) -----------------------------------------------
 def _as_other(other_user, code: str, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(["/usr/bin/python3", "-c", code, *args], user=other_user.pw_uid,
                           group=other_user.pw_gid, capture_output=True, text=True, timeout=60)

@@ -15,7 +15,8 @@ PROBE = str(PROGRAMS / "mpi_report.py")
 def test_mpirun_four_ranks_allreduce():
     # default transports (shared memory on one host): what a plain local mpirun gets
     env = {k: v for k, v in os.environ.items() if k != "OMPI_MCA_btl"}
-    p = subprocess.run(["mpirun", "--allow-run-as-root", "--oversubscribe", "-n", "4", str(PYTHON), PROBE],
+    p = subprocess.run(["mpirun", "--allow-run-as-root", "--oversubscribe", "-n", "4",
+                        str(PYTHON), PROBE],
                        env=env, capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
     reports = json_lines(p.stdout)

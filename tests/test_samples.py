@@ -17,7 +17,6 @@ from controller_util import make_controller
 from live_util import model_overrides
 
 from pivotrl_hpc.config import ConfigError, load_config
-from pivotrl_hpc.controller.rl import PromptData
 from pivotrl_hpc.trace import TraceWriter, open_trace
 from pivotrl_hpc.trace.check import check
 

@@ -57,7 +57,8 @@ def test_sbatch_gres_gpu4(slurm_cluster, tmp_path):
 def test_two_node_job_gets_gpus_on_each_node(slurm_cluster, tmp_path):
     out = tmp_path / "two.out"
     job = slurm_cluster.sbatch("-N2", "--gres=gpu:3", "--time=1", "-o", str(out), "--wrap",
-                               "srun -n2 --ntasks-per-node=1 bash -c 'echo $SLURMD_NODENAME $CUDA_VISIBLE_DEVICES'",
+                               "srun -n2 --ntasks-per-node=1 bash -c "
+                               "'echo $SLURMD_NODENAME $CUDA_VISIBLE_DEVICES'",
                                cwd=tmp_path)
     res = wait_job(slurm_cluster, job, out)
     assert (res.state, res.exit_code) == ("COMPLETED", 0), res
@@ -79,7 +80,8 @@ def test_sacct_records_states_and_exit_codes(slurm_cluster, tmp_path):
     want = {ok: "COMPLETED|0:0", bad: "FAILED|3:0"}
     rows: dict[str, str] = {}
     for _ in range(50):  # slurmctld reports job ends to slurmdbd asynchronously
-        out = slurm_cluster.run("sacct", "-n", "-X", "-P", "-o", "JobID,State,ExitCode", "-j", f"{ok},{bad}").stdout
+        out = slurm_cluster.run("sacct", "-n", "-X", "-P", "-o", "JobID,State,ExitCode",
+                                "-j", f"{ok},{bad}").stdout
         rows = {r.split("|", 1)[0]: r.split("|", 1)[1] for r in out.split()}
         if rows == want:
             break
@@ -94,9 +96,11 @@ def _submitit_executor(folder, monkeypatch, slurm_cluster):
     # job a PYTHONPATH from which it can import the submitted function's module
     for k in ("SLURM_CONF", "OMPI_MCA_btl", "UCX_MODULES"):
         monkeypatch.setenv(k, slurm_cluster.env[k])
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(PROGRAMS), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        filter(None, [str(PROGRAMS), os.environ.get("PYTHONPATH")])))
     monkeypatch.syspath_prepend(str(PROGRAMS))
-    ex = submitit.AutoExecutor(folder=folder, cluster="slurm")  # fresh folder: ids restart per cluster start
+    # fresh folder: ids restart per cluster start
+    ex = submitit.AutoExecutor(folder=folder, cluster="slurm")
     ex.update_parameters(timeout_min=2)
     return ex
 
@@ -123,5 +127,6 @@ def test_submitit_two_nodes_two_tasks(slurm_cluster, tmp_path, monkeypatch):
     results = ex.submit(funcs.rank_report, 10).results()
     assert [r["global_rank"] for r in results] == [0, 1, 2, 3]
     assert [r["value"] for r in results] == [10, 20, 30, 40]
-    assert [(r["node"], r["local_rank"]) for r in results] == [("n1", 0), ("n1", 1), ("n2", 0), ("n2", 1)]
+    assert [(r["node"], r["local_rank"]) for r in results] == [("n1", 0), ("n1", 1),
+                                                                ("n2", 0), ("n2", 1)]
     assert {r["num_tasks"] for r in results} == {4}

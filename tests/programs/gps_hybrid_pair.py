@@ -148,7 +148,8 @@ def client_side(job, node, rank, model_dir, scenario, sync, rep) -> None:
         c = GPSClient(job, node)
         rep["k"] = c.ctl.group_size
         base = load_file(os.path.join(model_dir, "model.safetensors"))
-        {"slow-reader": slow_reader, "faults": faults, "full-shm": full_shm}[scenario](c, rank, base, sync, job, rep)
+        run = {"slow-reader": slow_reader, "faults": faults, "full-shm": full_shm}[scenario]
+        run(c, rank, base, sync, job, rep)
         sync.say(f"done{rank}")
         sync.wait(f"done{1 - rank}")
         c.shutdown_agent()
