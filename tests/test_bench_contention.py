@@ -1,7 +1,7 @@
 """`pivotrl bench soak --contention N` (cli/bench_contention.py): its spinners burn CPU and
 end with it, a failure is reported by its first error line, bad input is refused before any
 work. (The live runs under contention: the live tests run their jobs beside spinners,
-live_util.run_job; the 10-runs-per-paradigm figure is in NOTES.)"""
+live_util.run_job; the runs-per-paradigm figures are in docs/history.md.)"""
 from __future__ import annotations
 
 import os

@@ -58,7 +58,7 @@ def test_the_paper_configs_name_their_cards_architectures(group):
 def test_simulate_runs_a_paper_group_without_its_folders(group):
     """With constants derived from the H20 and the group's models (sim/profile.py); the
     responses are cut to ~1 % of the paper's lengths to keep the suite fast (a paper-length
-    step takes minutes of wall time: NOTES, "Profiles")."""
+    step takes minutes of wall time: docs/design.md, "Simulator")."""
     p = subprocess.run([sys.executable, "-m", "pivotrl_hpc.cli.main", "simulate",
                         str(ROOT / "configs" / group), "--paradigms", "shiftable", "--no-search",
                         "rl.steps=1", "workload.rollout_median=25",

@@ -116,7 +116,7 @@ def test_a_relay_that_stalls_is_replaced_by_the_writer(tiny_models):
     """n1's process is stopped during the Write: n2 hears nothing from it for its 1 s and
     pulls v1 from n0, publishes it while n1 is still stopped; n1, let go on, catches up.
     (The MPI transport: the agents' control messages to a stopped agent must stay under
-    MPI's eager limit, and NIXL's metadata in `segment` does not; see NOTES.)"""
+    MPI's eager limit, and NIXL's metadata in `segment` does not; see docs/design.md, GPS.)"""
     data = _data_bytes(tiny_models)
     _, (n0, n1, n2) = _run(tiny_models, "mpi", "relay-stalls", n=3)
     assert n2["replication"]["bytes_from"] == {"0": data}

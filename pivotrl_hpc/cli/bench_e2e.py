@@ -37,7 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=0,
                    help="GRPO groups a step for every run (0: the config's). The regime "
                         "matters: at tiny-cpu's 4 a step is latency-bound, at 16 training-"
-                        "bound (NOTES, 'bench e2e with the training width searched')")
+                        "bound (docs/design.md, 'Paradigms')")
     p.add_argument("--paradigms", default=",".join(PARADIGMS))
     p.add_argument("--out", default=".run/bench-e2e", help="traces and logs of every run")
     p.add_argument("--no-search", action="store_true",

@@ -16,7 +16,7 @@ end no single move of a replica's shortest sequence to any replica with room rai
 aggregate throughput: Dispatch's best replica has the largest ΔT_i, so if it does not
 improve, no other destination does. It moves far more (a 1,024-GPU synthetic snapshot:
 984 moves against 27 for one new rollout replica, +0.8 % aggregate) and each move is an
-abort and a re-prefill where it lands, so it is not the default (NOTES: measured).
+abort and a re-prefill where it lands, so it is not the default (docs/design.md: measured).
 
 Both loops work on a `DispatchIndex`'s counts plus a `Shortest` view of each replica's
 shortest sequence, so the live Scheduler (Replica objects) and the planner's replay
@@ -32,7 +32,7 @@ from pivotrl_hpc.sched.model import ReplicaThroughput
 
 MigrationName = Literal["paper", "least_loss"]
 MIGRATIONS: tuple[str, ...] = ("paper", "least_loss")
-DEFAULT_MIGRATION: MigrationName = "paper"   # it won on the paper groups: NOTES
+DEFAULT_MIGRATION: MigrationName = "paper"   # it won on the paper groups: docs/design.md
 # False: no migration loop (vanilla ablations); True: the default loop; or a loop's name
 MigrationSpec = Union[bool, str]
 LEAST_LOSS_BOUND = 8   # least_loss moves at most this many times N^Seq (module docstring)

@@ -200,7 +200,7 @@ def engine_fit(work, role: str, iterations: int) -> ThroughputModel | None:
     both, as tokens held grow with sequences). The Step's round trip beyond the engine is
     charged apart (`step_overhead_s`). The online fits are of round trips pooled into
     windows, and taking their mean overhead back off D left the modeled iterations 30-45 %
-    faster than the live engines' own at the same batch (NOTES, issue 49). None: fewer
+    faster than the live engines' own at the same batch (docs/design.md, "Simulator"). None: fewer
     than MIN_STEPS ordinary Steps (first Steps are warm-up)."""
     import numpy as np
 
