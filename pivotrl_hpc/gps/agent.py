@@ -48,7 +48,8 @@ from pivotrl_hpc.gps.hf import hf_header, load_into
 from pivotrl_hpc.gps.segment import (SHM_DIR, check_memory, memory_available, segment_prefix,
                                      sweep)
 from pivotrl_hpc.gps.store import ModelStore
-from pivotrl_hpc.gps.transport import CTRL_TAG, make_transport
+from pivotrl_hpc.gps.transport import CTRL_TAG, PEER_WIRE, make_transport
+from pivotrl_hpc.protocol import mpi
 
 log = logging.getLogger(__name__)
 
@@ -117,25 +118,26 @@ class NodeAgent(Transfers):
         budget = self.cfg.budget_bytes or int(min(memory_available()) * 0.9)
         headers = {m: hf_header(Path(f), {})[0] for m, f in self.cfg.models.items()}
         sizes = [[t.nbytes for t in h.tensors.values()] for h in headers.values()]
-        k = choose_group_size(sizes, self.n_nodes, budget)
+        group_size = choose_group_size(sizes, self.n_nodes, budget)
         for m, f in self.cfg.models.items():
             self.stores[m] = ModelStore.from_folder(m, Path(f), self.cfg.job, self.cfg.node,
-                                                    self.index, self.n_nodes, k)
+                                                    self.index, self.n_nodes, group_size)
         need = sum(s.owned_bytes() for s in self.stores.values())
         need += max(s.owned_bytes() for s in self.stores.values())  # one Write in flight
-        check_memory(need, f"{len(self.stores)} models on node {self.cfg.node} (k={k})")
+        check_memory(need, f"{len(self.stores)} models on node {self.cfg.node} "
+                           f"(group size {group_size})")
         self._install_signals()
         first = {m: self.cfg.first_versions.get(m, 0) for m in self.stores}
         for store in self.stores.values():
             seg = store.new_version(first[store.model])
             n = load_into(seg, store.source, store.owned_names, self.cfg.load_threads)
-            log.info("GPS %s v%d on %s: %d bytes loaded (k=%d)", store.model,
-                     first[store.model], self.cfg.node, n, k)
+            log.info("GPS %s v%d on %s: %d bytes loaded (group size %d)", store.model,
+                     first[store.model], self.cfg.node, n, group_size)
         if self.comm is not None:
             self.transport = make_transport(self.cfg.transport, self.comm, self.index)
             log.info("GPS agent %s: %s transport", self.cfg.node, self.transport.name)
             mine = {m: self._expose(m, first[m]) for m in self.stores}
-            for node, infos in enumerate(self.comm.allgather(mine)):
+            for node, infos in enumerate(mpi.allgather(self.comm, PEER_WIRE, mine)):
                 for m, info in infos.items():
                     self.seg_info[(node, m, first[m])] = info
                     if node != self.index:
@@ -143,7 +145,7 @@ class NodeAgent(Transfers):
         self._listen()
         # The control block appears last: a client that finds it finds a served first version.
         self.ctl = control.ControlBlock(control_path(self.cfg.job, self.cfg.node), create=True,
-                                        group_size=k, token=self.token, dir_fd=self._shm_hold)
+                                        group_size=group_size, token=self.token, dir_fd=self._shm_hold)
         for store in self.stores.values():
             store.publish(self.ctl, first[store.model])
 
@@ -200,7 +202,7 @@ class NodeAgent(Transfers):
         node's tensors of it (the NIXL READs are one-sided: this node would never know)."""
         for store in self.stores.values():
             m = store.model
-            shared = self.comm is not None and store.ownership.k > 1
+            shared = self.comm is not None and store.ownership.group_size > 1
             freeable = (lambda v, m=m: len(self._released.get((m, v), ())) == self.n_nodes) \
                 if shared else None
             released = store.collect(self.ctl, on_retire=lambda v, m=m: self._retire(m, v),
@@ -225,10 +227,11 @@ class NodeAgent(Transfers):
     def _poll_peers(self) -> bool:
         from mpi4py import MPI
         status, got = MPI.Status(), False
-        while self.comm.iprobe(source=MPI.ANY_SOURCE, tag=CTRL_TAG, status=status):
-            got = True
-            src = status.Get_source()
-            msg = self.comm.recv(source=src, tag=CTRL_TAG)
+        while True:
+            polled, msg = mpi.try_recv(self.comm, PEER_WIRE, MPI.ANY_SOURCE, CTRL_TAG, status)
+            if not polled:
+                break
+            got, src = True, status.Get_source()
             try:
                 self._handle_peer(src, msg)
             except ValueError:  # a report about a version this node already finished
@@ -237,9 +240,10 @@ class NodeAgent(Transfers):
         return got
 
     def _broadcast(self, msg: dict) -> None:
+        data = PEER_WIRE.encode(msg)
         for node in range(self.n_nodes):
             if node != self.index:
-                self.comm.send(msg, dest=node, tag=CTRL_TAG)
+                mpi.send_bytes(self.comm, data, node, CTRL_TAG)
 
     # ---- requests -------------------------------------------------------------------------
     def _handle_client(self, conn: Conn, msg: dict) -> None:

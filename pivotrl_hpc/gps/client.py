@@ -251,9 +251,9 @@ class GPSClient:
     def _remote_sources(self, model: str, pin: Pin, wanted: dict) -> dict[str, Tensor]:
         """Hybrid layout: have the agent pull the tensors this node lacks into staging."""
         infos = pin.segment.header.tensors
-        k = self.ctl.group_size
-        mine = self._ping()["index"] % k
-        owner = hybrid_owner(list(infos.values()), k)
+        group_size = self.ctl.group_size
+        mine = self._ping()["index"] % group_size
+        owner = hybrid_owner(list(infos.values()), group_size)
         remote = {n: covering_range(infos[n], idx, itemsize(infos[n].dtype))
                   for n, idx in wanted.items() if owner[n] != mine}
         items = merge_ranges([r for r in remote.values() if r[1] > r[0]])

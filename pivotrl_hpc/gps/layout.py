@@ -207,12 +207,13 @@ def covering_range(info: TensorInfo, index: Index, itemsize: int) -> tuple[int, 
     return (lo, hi)
 
 
-def hybrid_owner(infos: list[TensorInfo], k: int) -> dict[str, int]:
-    """Tensor name -> index (0..k-1) of the node of its replication group that holds it."""
-    load = [0] * k
+def hybrid_owner(infos: list[TensorInfo], group_size: int) -> dict[str, int]:
+    """Tensor name -> index (0..group_size-1) of the node of its replication group that
+    holds it."""
+    load = [0] * group_size
     owner: dict[str, int] = {}
     for info in sorted(infos, key=lambda t: (-t.nbytes, t.name)):
-        j = min(range(k), key=lambda i: (load[i], i))
+        j = min(range(group_size), key=lambda i: (load[i], i))
         owner[info.name] = j
         load[j] += info.nbytes
     return owner

@@ -29,7 +29,8 @@ from pivotrl_hpc.gps.plan import Range, Transfer, assign, chain, merge_ranges, r
 from pivotrl_hpc.gps.relay import Relay
 from pivotrl_hpc.gps.segment import RawMap
 from pivotrl_hpc.gps.store import ModelStore
-from pivotrl_hpc.gps.transport import CTRL_TAG
+from pivotrl_hpc.gps.transport import CTRL_TAG, PEER_WIRE
+from pivotrl_hpc.protocol import mpi
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +130,7 @@ class Transfers:
         if self.index not in w.published and w.version in store.versions:
             self._retire(w.model, w.version)
             store.drop(w.version)
-            if store.ownership.k > 1:  # nodes that published it may free it when done
+            if store.ownership.group_size > 1:  # nodes that published it may free it when done
                 self._released.setdefault((w.model, w.version), set()).add(self.index)
                 self._broadcast({"op": "released", "model": w.model, "versions": [w.version]})
         for conn in w.waiters:
@@ -157,7 +158,7 @@ class Transfers:
         store = self.stores[w.model]
         holders = {n: list(rs) for n, rs in sorted(w.holders.items())}
         signature = ("write", w.model, tuple((n, tuple(rs)) for n, rs in holders.items()),
-                     self.n_nodes, store.ownership.k, self.cfg.chunk_bytes)
+                     self.n_nodes, store.ownership.group_size, self.cfg.chunk_bytes)
 
         def build():
             targets = {n: store.owned_ranges(n) for n in range(self.n_nodes)}
@@ -177,8 +178,9 @@ class Transfers:
         """Advance this node's pulls, tell the next nodes what it now holds; True when done."""
         got = w.relay.advance(time.monotonic())
         for node, ranges in w.relay.tell(got).items():
-            self.comm.send({"op": "holds", "model": w.model, "version": w.version,
-                            "attempt": w.attempt, "ranges": ranges}, dest=node, tag=CTRL_TAG)
+            mpi.send(self.comm, PEER_WIRE, {"op": "holds", "model": w.model,
+                                            "version": w.version, "attempt": w.attempt,
+                                            "ranges": ranges}, node, CTRL_TAG)
         return w.relay.done
 
     def _on_holds(self, src: int, msg: dict) -> None:

@@ -26,16 +26,16 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Ownership:
-    """Hybrid layout (appendix B.1): node i holds tensors whose owner == i % k."""
-    k: int
+    """Hybrid layout (appendix B.1): node i holds tensors whose owner == i % group_size."""
+    group_size: int                 # nodes of a replication group (k of appendix B.1)
     n_nodes: int
     owner: dict[str, int]
 
     def holders(self, name: str) -> list[int]:
-        return [i for i in range(self.n_nodes) if i % self.k == self.owner[name]]
+        return [i for i in range(self.n_nodes) if i % self.group_size == self.owner[name]]
 
     def owned(self, node_index: int) -> set[str]:
-        return {n for n, o in self.owner.items() if o == node_index % self.k}
+        return {n for n, o in self.owner.items() if o == node_index % self.group_size}
 
 
 @dataclass
@@ -54,11 +54,12 @@ class ModelStore:
 
     @classmethod
     def from_folder(cls, model: str, folder: Path, job: str, node: str, node_index: int,
-                    n_nodes: int, k: int) -> "ModelStore":
+                    n_nodes: int, group_size: int) -> "ModelStore":
         config = (Path(folder) / "config.json").read_text()
         header, where = hf_header(Path(folder), {"model": model, "config": json.dumps(
             json.loads(config), separators=(",", ":"))})
-        own = Ownership(k, n_nodes, hybrid_owner(list(header.tensors.values()), k))
+        own = Ownership(group_size, n_nodes,
+                        hybrid_owner(list(header.tensors.values()), group_size))
         return cls(model, job, node, node_index, header, own, where)
 
     @property
@@ -89,7 +90,7 @@ class ModelStore:
         else:
             # reserve what this node keeps (all of it, but under the hybrid layout)
             seg = Segment.create(path, self.header, self.owned_ranges()
-                                 if self.ownership.k > 1 else None)
+                                 if self.ownership.group_size > 1 else None)
         self.versions[version] = seg
         return seg
 
@@ -123,7 +124,7 @@ class ModelStore:
 
     def drop_unowned(self, version: int) -> None:
         """Hybrid layout, once every node has the version: free the tensors others hold."""
-        if self.ownership.k > 1 and version in self.versions:
+        if self.ownership.group_size > 1 and version in self.versions:
             self._drop_unowned(self.versions[version])
 
     def collect(self, ctl: control.ControlBlock, keep_spare: int = 1, on_retire=None,
