@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from pivotrl_hpc.config.schema import Config
-from pivotrl_hpc.controller.executor import (MIGRATE, SHIFT_DOWN, SHIFT_UP, PlanError,
+from pivotrl_hpc.controller.actions import (MIGRATE, SHIFT_DOWN, SHIFT_UP, PlanError,
                                              ReplicaInfo, check_plan, migration_actions,
                                              plan_actions)
 from pivotrl_hpc.controller.policy import TauTracker, make_paradigm_policy, policy_params
@@ -154,7 +154,7 @@ def _cfg(name: str) -> Config:
 def test_a_sequence_moved_twice_in_one_migration_is_sent_once():
     """Algorithm 4 may move a sequence r1 -> r2 and later r2 -> r0 in one migration: it is
     aborted on r1 and added on r0 only (before, it was also added on r2, a second live copy)."""
-    from pivotrl_hpc.controller.executor import ReplicaInfo, migration_actions, net_moves
+    from pivotrl_hpc.controller.actions import ReplicaInfo, migration_actions, net_moves
     from pivotrl_hpc.sched.scheduler import MigrationResult, Move
 
     moves = [Move(5, None, "r0"), Move(7, "r1", "r2"), Move(8, "r2", "r0"),

@@ -196,7 +196,7 @@ def test_a_tp_replica_whose_ranks_reload_across_a_publish_is_reloaded_to_the_new
     test answers: the one way to force that interleaving (no engine runs)."""
     from types import SimpleNamespace
 
-    from pivotrl_hpc.controller.executor import ReplicaInfo
+    from pivotrl_hpc.controller.actions import ReplicaInfo
     from pivotrl_hpc.controller.shifts import Executor
     from pivotrl_hpc.protocol.messages import Reload, Reply, RoleKind
 

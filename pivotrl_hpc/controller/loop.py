@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 
 from pivotrl_hpc.controller.clock import Clock
 from pivotrl_hpc.controller.decide import Decider, InlineDecider
-from pivotrl_hpc.controller.executor import (MIGRATE, Action, PlanError, add_actions,
+from pivotrl_hpc.controller.actions import (MIGRATE, Action, PlanError, add_actions,
                                              check_plan)
 from pivotrl_hpc.controller.flow import RoleFlow, SeqRecord, check_replies
 from pivotrl_hpc.controller.handles import Devices

@@ -6,7 +6,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Callable
 
-from pivotrl_hpc.controller.executor import (Action, ReplicaInfo, migration_actions,
+from pivotrl_hpc.controller.actions import (Action, ReplicaInfo, migration_actions,
                                              plan_actions)
 from pivotrl_hpc.controller.flow import RoleFlow, check_replies
 from pivotrl_hpc.controller.handles import Devices

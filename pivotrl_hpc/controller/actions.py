@@ -1,4 +1,5 @@
-"""The executor's pure half: a shift plan -> the actions that carry it out (paper §7, §6.2).
+"""The Executor's pure half (the Executor, which sends, is in shifts.py): a shift plan -> the
+actions that carry it out (paper §7, §6.2).
 
 Order, as the paper gives it: (1) Abort/Dispatch migration on the two schedulers
 (Algorithm 3: everything on a shift-down replica is aborted and dispatched onto the
