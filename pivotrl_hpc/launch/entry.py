@@ -233,10 +233,10 @@ class Rank:
 
     def _shutdown_workers(self) -> None:
         from pivotrl_hpc.protocol.messages import Shutdown
-        from pivotrl_hpc.runtime.serve import WorkerHandle
+        from pivotrl_hpc.runtime.serve import WorkerClient
 
         for rank in self.layout.worker_ranks:
-            WorkerHandle(self.world, rank).call(Shutdown())
+            WorkerClient(self.world, rank).call(Shutdown())
 
     # ---- worker ranks -------------------------------------------------------------------------
     def _work(self, node_comm, ports: int) -> None:

@@ -31,8 +31,9 @@ def serve(comm, worker: DeviceWorker, controller: int = 0) -> int:
 
 
 @dataclass
-class WorkerHandle:
-    """The controller's side: send a command, or several to several workers, and collect."""
+class WorkerClient:
+    """A blocking client of one worker rank's `serve` loop (launch's shutdown, test programs);
+    the controller's never-blocking one is `controller.handles.WorkerHandle`."""
 
     comm: object
     rank: int

@@ -11,13 +11,13 @@ from pathlib import Path
 from pivotrl_hpc.launch import cgroup
 from pivotrl_hpc.launch.layout import RunPaths
 from pivotrl_hpc.protocol.messages import QueryState, Shutdown
-from pivotrl_hpc.runtime.serve import WorkerHandle
+from pivotrl_hpc.runtime.serve import WorkerClient
 
 PROGRESS = logging.getLogger("pivotrl_hpc.controller.launch_test")  # -> rank 0's stdout
 
 
 def _handles(comm, layout):
-    return {d: WorkerHandle(comm, layout.worker_rank(d)) for d in layout.devices}
+    return {d: WorkerClient(comm, layout.worker_rank(d)) for d in layout.devices}
 
 
 def _shutdown(handles) -> dict:

@@ -16,7 +16,7 @@ from mpi4py import MPI
 from pivotrl_hpc.protocol.engine import EngineOptions, Sampling
 from pivotrl_hpc.protocol.messages import (AddSequences, RoleKind, SeqRequest, ShiftDown, ShiftUp,
                                            Shutdown, Step, TrainStep, WaitWrite)
-from pivotrl_hpc.runtime.serve import WorkerHandle, serve
+from pivotrl_hpc.runtime.serve import WorkerClient, serve
 
 GREEDY = Sampling(temperature=0.0, ignore_eos=True)
 ROLLOUT, TRAINING = 1, 2  # worker ranks
@@ -47,7 +47,7 @@ def reply_dict(r) -> dict:
             "phases": sorted(r.phases), "error": (r.error or "").splitlines()[:1]}
 
 
-def generate(w: WorkerHandle, prefix: str, n_new: int = 8) -> dict[str, tuple]:
+def generate(w: WorkerClient, prefix: str, n_new: int = 8) -> dict[str, tuple]:
     w.call(AddSequences(tuple(SeqRequest(f"{prefix}{i}", (1, 20 + i, 5), max_new_tokens=n_new,
                                          sampling=GREEDY) for i in range(3))))
     finished = {}
@@ -72,7 +72,7 @@ def controller(comm, models: str, out: str) -> None:
 
     with local_agent({"policy": f"{models}/policy"}, job=f"wmpi{os.getpid()}") as agent:
         comm.bcast((agent.job, agent.node), root=0)
-        report = drive(WorkerHandle(comm, ROLLOUT), WorkerHandle(comm, TRAINING))
+        report = drive(WorkerClient(comm, ROLLOUT), WorkerClient(comm, TRAINING))
         client = agent.client()
         report["gps_current"] = client.state("policy").current
         client.close()
@@ -80,7 +80,7 @@ def controller(comm, models: str, out: str) -> None:
         json.dump(report, f, indent=1)
 
 
-def drive(roll: WorkerHandle, train: WorkerHandle) -> dict:
+def drive(roll: WorkerClient, train: WorkerClient) -> dict:
     report = {"idle_shift_down": reply_dict(roll.call(ShiftDown()))}
     sent = [roll.submit(ShiftUp(RoleKind.ROLLOUT, 0)), train.submit(ShiftUp(RoleKind.TRAINING))]
     report["up"] = [reply_dict(roll.result()), reply_dict(train.result())]
