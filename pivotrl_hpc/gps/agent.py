@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pivotrl_hpc.gps import control, shmdir
-from pivotrl_hpc.gps.conns import ClientSocket, Conn
+from pivotrl_hpc.gps.conns import ClientListener, Conn
 from pivotrl_hpc.gps.fetch import ReadFetch
 from pivotrl_hpc.gps.layout import choose_group_size
 from pivotrl_hpc.gps.plan import LinkModel, PlanCache, merge_ranges
@@ -97,7 +97,7 @@ class NodeAgent(Transfers):
         self.plans = PlanCache()
         self.ctl: control.ControlBlock | None = None
         self.transport = None
-        self.clients: ClientSocket | None = None
+        self.clients: ClientListener | None = None
         self._fetches: list[ReadFetch] = []
         # (model, version) -> nodes whose readers released it (hybrid layout, store.collect)
         self._released: dict[tuple[str, int], set[int]] = {}
@@ -163,7 +163,7 @@ class NodeAgent(Transfers):
         os._exit(128 + signum)  # no MPI_Finalize: the other ranks are being killed too
 
     def _listen(self) -> None:
-        self.clients = ClientSocket(socket_address(self.cfg.job, self.cfg.node, self.token),
+        self.clients = ClientListener(socket_address(self.cfg.job, self.cfg.node, self.token),
                                     token=self.token)
 
     def _expose(self, model: str, version: int) -> dict:

@@ -110,7 +110,10 @@ class RateLimitedLog:
         self._last[key] = [now, 0]
 
 
-class ClientSocket:
+class ClientListener:
+    """The agent's listening server for its clients: accepts (peer uid checked), reads and
+    writes their connections without blocking."""
+
     def __init__(self, address: str, uid: int | None = None, token: str = ""):
         self.uid = os.getuid() if uid is None else uid
         self.token = token
