@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from pivotrl_hpc.controller.actions import (Action, ReplicaInfo, migration_actions,
-                                             plan_actions)
+                                            plan_actions)
 from pivotrl_hpc.controller.flow import RoleFlow, check_replies
 from pivotrl_hpc.controller.handles import Devices
 from pivotrl_hpc.controller.policy import TauTracker
@@ -15,6 +15,7 @@ from pivotrl_hpc.plan.snapshot import TRAINING
 from pivotrl_hpc.plan.types import ShiftPlan
 from pivotrl_hpc.protocol.messages import (Abort, AddSequences, Reload, Reply, RoleKind, ShiftDown,
                                            ShiftUp)
+from pivotrl_hpc.sched.migration import MigrationSpec
 from pivotrl_hpc.sched.state import Replica
 
 log = logging.getLogger(__name__)
@@ -42,9 +43,11 @@ class ShiftBook:
 class Executor:
     def __init__(self, devices: Devices, flows: dict[str, RoleFlow], training: TrainingUnit,
                  kv_capacity: dict[str, int], tau: TauTracker, trace, now: Callable[[], float],
-                 on_change: Callable[[], None], migrate: bool = True) -> None:
+                 on_change: Callable[[], None], migrate: MigrationSpec = True) -> None:
         self.devices, self.flows, self.training = devices, flows, training
-        self.migrate = migrate       # False: a shift up only Dispatches the queue (ablations)
+        # False: a shift up only Dispatches the queue (ablations); True or a loop's name
+        # ("paper", "least_loss"): Algorithm 4's migration by that loop
+        self.migrate = migrate
         self.kv_capacity, self.tau, self.trace, self.now = kv_capacity, tau, trace, now
         self.on_change = on_change   # a shift finished: an event for the monitor
         self.published = 0           # policy version every node holds (the loop sets it)
