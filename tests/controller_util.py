@@ -57,7 +57,7 @@ def make_controller(paradigm="shiftable", gpus=8, train=(0, 1, 2, 3), steps=3, k
     policy = make_policy(paradigm, params or ({"tau_shift": dict(tau.tau)} if paradigm in PLANNERS
         else {}))
     tau.attach(policy)
-    ctl = Controller(cfg, clock, Devices(workers, clock.now), policy, book, ToyTask(), models, tau,
+    ctl = Controller(cfg, clock, Devices(workers), policy, book, ToyTask(), models, tau,
                      trace, validation=prompts(8)[:4], bootstrap=bootstrap)
     return ctl, workers
 

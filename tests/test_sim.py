@@ -298,5 +298,5 @@ def test_every_paradigm_migrates_by_the_configured_loop(paradigm, tmp_path):
     cfg = normalize(cfg)
     clock = VirtualClock()
     workers = modeled_workers(cfg, SimConstants.from_config(cfg), clock)
-    ctl = build_controller(cfg, Devices(workers, clock.now), clock, None, decider=None)
+    ctl = build_controller(cfg, Devices(workers), clock, None, decider=None)
     assert ctl.executor.migrate == (False if paradigm == "vanilla" else "paper")

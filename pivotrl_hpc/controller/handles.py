@@ -26,11 +26,6 @@ class WorkerHandle(Protocol):
     def poll(self) -> list[Reply]:
         """Replies that arrived (in order); never blocks."""
 
-    def _nap(self, clock) -> None:
-        """Wait for the next reply (simulation) or a moment (live)."""
-        nxt = self.next_reply_time()
-        clock.wait_until(nxt if nxt is not None else clock.now() + 0.01)
-
     def next_reply_time(self) -> float | None:
         """When the next reply is due, if the handle knows (simulation); else None."""
 
@@ -47,16 +42,9 @@ class _Group:
     replies: dict[int, Reply] = field(default_factory=dict)
 
 
-WORK = ("Step", "TrainStep")  # commands that are a device's useful work
-
-
 class Devices:
-    def __init__(self, handles: Sequence[WorkerHandle],
-                 now: Callable[[], float] | None = None) -> None:
+    def __init__(self, handles: Sequence[WorkerHandle]) -> None:
         self.handles = {h.device: h for h in handles}
-        self.now = now
-        self.work_s = {d: 0.0 for d in self.handles}   # seconds in Step / TrainStep
-        self._since: dict[int, float] = {}
         self._queues: dict[int, deque[tuple[_Group, Command]]] = {d: deque() for d in self.handles}
         self._inflight: dict[int, _Group | None] = {d: None for d in self.handles}
 
@@ -75,8 +63,6 @@ class Devices:
         if self._inflight[d] is None and self._queues[d]:
             group, cmd = self._queues[d].popleft()
             self._inflight[d] = group
-            if self.now is not None and type(cmd).__name__ in WORK:
-                self._since[d] = self.now()
             self.handles[d].submit(cmd)
 
     def collect(self) -> int:
@@ -86,8 +72,6 @@ class Devices:
             for reply in handle.poll():
                 n += 1
                 reply.device = d
-                if d in self._since:
-                    self.work_s[d] += self.now() - self._since.pop(d)
                 group = self._inflight[d]
                 self._inflight[d] = None
                 if group is None:

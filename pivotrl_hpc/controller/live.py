@@ -210,7 +210,7 @@ def run_on(cfg: Config, comm, device_ranks: Mapping[int, int], trace_path: str |
     clock = MonotonicClock()
     inbox = MPIInbox(comm)
     devices = Devices([MPIWorkerHandle(comm, rank, d, inbox)
-                       for d, rank in sorted(device_ranks.items())], clock.now)
+                       for d, rank in sorted(device_ranks.items())])
     meta = {"config": to_dict(cfg), "paradigm": cfg.paradigm.name, "host": socket.gethostname(),
             "resumed_from": resumed_from(cfg),
             "device_ranks": {str(d): r for d, r in device_ranks.items()},

@@ -301,7 +301,7 @@ def simulate(cfg: Config, constants: SimConstants, trace_path: str | Path | None
         workers += modeled_workers(cfg, constants, clock)
         # a planner's plan is executed `planning_s` after its snapshot, as beside the live loop
         delay = constants.planning_s if cfg.paradigm.name in PLANNERS else 0.0
-        ctl = build_controller(cfg, Devices(workers, clock.now), clock, trace,
+        ctl = build_controller(cfg, Devices(workers), clock, trace,
                                decider=InlineDecider(clock, delay))
         if cfg.workload.judge_prompt_ratio > 0:
             ctl.task = ScaledJudge(ctl.task, cfg.workload.judge_prompt_ratio,
