@@ -63,6 +63,7 @@ KNOWN: dict[tuple[str, str], str] = {
     ("controller/rl.py", "pivotrl_hpc.engines.vllm.types"): _PROTOCOL,
     ("controller/shifts.py", "pivotrl_hpc.runtime.messages"): _PROTOCOL,
     ("controller/policy.py", "pivotrl_hpc.runtime.context"): _PROTOCOL,
+    ("controller/mpi_handle.py", "pivotrl_hpc.runtime.serve"): _PROTOCOL,   # the MPI tags
     ("sim/modeled.py", "pivotrl_hpc.engines.vllm.types"): _PROTOCOL,
     ("sim/modeled.py", "pivotrl_hpc.runtime.messages"): _PROTOCOL,
     ("checkpoint/state.py", "pivotrl_hpc.engines.vllm.types"): _PROTOCOL,
@@ -72,8 +73,6 @@ KNOWN: dict[tuple[str, str], str] = {
         "the live driver builds worker specs; belongs in launch (not yet moved)",
     ("controller/live.py", "pivotrl_hpc.engines.memory"):
         "the live driver sizes KV caches; belongs in launch (not yet moved)",
-    ("controller/mpi_handle.py", "pivotrl_hpc.runtime.serve"):
-        "the MPI replica handle; belongs in launch (not yet moved)",
     ("sim/profile.py", "pivotrl_hpc.engines.memory"):
         "the modeled KV budget reads the engines' memory model (not yet moved)",
     # Up a floor (issue 51 point 2).
@@ -94,8 +93,6 @@ KNOWN: dict[tuple[str, str], str] = {
         "the GenRM warm start renders judge prompts; task/data.py reads assets' synthetic set",
     # Circles (issue 51 point 3): the import that closes each.
     ("controller/report.py", "pivotrl_hpc.controller.loop"): "issue 51 point 3",
-    ("gps/shapes.py", "pivotrl_hpc.gps.arch"): "issue 51 point 3",
-    ("gps/handles.py", "pivotrl_hpc.gps.client"): "issue 51 point 3",
 }
 
 

@@ -19,9 +19,9 @@ from pivotrl_hpc.gps import control
 from pivotrl_hpc.gps.agent import socket_address
 from pivotrl_hpc.gps.conns import peer_credentials
 from pivotrl_hpc.gps.control import GPSUnavailable
-from pivotrl_hpc.gps.handles import NOTICES
 
 REQUEST_S = float(os.environ.get("PIVOTRL_GPS_REQUEST_S", 30.0))
+NOTICES = ("replicated", "write_failed")   # a Write's end, sent to its writers unasked
 _SLICE_S = 0.05   # how often a waiting request checks that the agent still lives
 STOPPED_S = 5.0   # an agent stopped this long fails the requests waiting on it
 

@@ -340,7 +340,7 @@ class GPSClient:
             os.close(fd)
         self._request({"op": "written", "model": model, "version": version,
                        "ranges": ranges}, "written")
-        return WriteHandle(self, model, version)
+        return WriteHandle(self._chan, model, version)
 
     def _expected(self, reply: dict, model: str) -> Path:
         """The segment a `begin_write` reply names, if it is exactly this model's next
@@ -359,13 +359,6 @@ class GPSClient:
     # ---- the agent ----------------------------------------------------------------------------
     def _request(self, msg: dict, expect: str, timeout: float | None = None) -> dict:
         return self._chan.request(msg, expect, timeout)
-
-    def _take_replicated(self, model: str, version: int, timeout: float) -> bool:
-        return self._chan.take_replicated(model, version, timeout)
-
-    @property
-    def _notices(self) -> dict[tuple[str, int], dict]:
-        return self._chan.notices
 
     def _ping(self) -> dict:
         if self._node_index is None:

@@ -3,8 +3,8 @@
 Kept torch-free and I/O-light so that the planner, the simulator and the converters can all use
 it. The HF config is the source of truth because the canonical GPS layout is HF's (what vLLM
 loads). Dense Qwen2 is the policy architecture (Megatron converters); the GenRM may also be
-GLM-4, Qwen3-MoE or Qwen3.5-MoE (`gps/arch.py` lists their tensors). A multimodal config's
-`text_config` is the language model's shape.
+GLM-4, Qwen3-MoE or Qwen3.5-MoE (`param_shapes` lists their tensors, `gps/arch.py` their
+splits). A multimodal config's `text_config` is the language model's shape.
 """
 from __future__ import annotations
 
@@ -116,8 +116,6 @@ class ModelShape:
 
     def hf_param_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every canonical HF tensor name -> shape, in the order HF writes them."""
-        from pivotrl_hpc.gps.arch import param_shapes
-
         return param_shapes(self)
 
     def num_params(self) -> int:
@@ -142,6 +140,87 @@ class ModelShape:
         """Parameters of the routed experts (0 for a dense model; shared experts not)."""
         return sum(math.prod(v) for k, v in self.hf_param_shapes().items()
                    if ".experts." in k)
+
+
+# The tensors of each architecture (the list in gps/arch.py's docstring), by HF name.
+QK_NORM = ("qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next")  # per-head q/k norms
+
+
+def _layer(shape: ModelShape, n: int) -> dict[str, tuple[int, ...]]:
+    h, p = shape.hidden_size, f"model.layers.{n}."
+    out: dict[str, tuple[int, ...]] = {p + "input_layernorm.weight": (h,)}
+    out.update(_linear_attention(shape, p) if shape.is_linear_attention(n) else _attention(
+        shape, p))
+    out[p + "post_attention_layernorm.weight"] = (h,)
+    if shape.model_type == "glm4":
+        out[p + "post_self_attn_layernorm.weight"] = (h,)
+        out[p + "post_mlp_layernorm.weight"] = (h,)
+    out.update(_moe(shape, p) if shape.is_moe_layer(n) else _mlp(shape, p + "mlp."))
+    return out
+
+
+def _attention(shape: ModelShape, p: str) -> dict[str, tuple[int, ...]]:
+    h, a = shape.hidden_size, p + "self_attn."
+    q_rows = shape.q_size * (2 if shape.attn_output_gate else 1)
+    out: dict[str, tuple[int, ...]] = {}
+    for proj, rows in (("q_proj", q_rows), ("k_proj", shape.kv_size), ("v_proj", shape.kv_size)):
+        out[f"{a}{proj}.weight"] = (rows, h)
+        if shape.qkv_bias:
+            out[f"{a}{proj}.bias"] = (rows,)
+    out[a + "o_proj.weight"] = (h, shape.q_size)
+    if shape.model_type in QK_NORM:
+        out[a + "q_norm.weight"] = (shape.head_dim,)
+        out[a + "k_norm.weight"] = (shape.head_dim,)
+    return out
+
+
+def linear_dims(shape: ModelShape) -> tuple[int, int]:
+    """(key_dim, value_dim) of a Gated-DeltaNet layer: all heads' q (= k) and v rows."""
+    return (shape.linear_num_key_heads * shape.linear_key_head_dim,
+            shape.linear_num_value_heads * shape.linear_value_head_dim)
+
+
+def _linear_attention(shape: ModelShape, p: str) -> dict[str, tuple[int, ...]]:
+    h, a = shape.hidden_size, p + "linear_attn."
+    kd, vd = linear_dims(shape)
+    nv = shape.linear_num_value_heads
+    return {a + "A_log": (nv,), a + "conv1d.weight": (2 * kd + vd, 1,
+                                                      shape.linear_conv_kernel_dim),
+            a + "dt_bias": (nv,), a + "in_proj_a.weight": (nv, h), a + "in_proj_b.weight": (nv, h),
+            a + "in_proj_qkv.weight": (2 * kd + vd, h), a + "in_proj_z.weight": (vd, h),
+            a + "norm.weight": (shape.linear_value_head_dim,), a + "out_proj.weight": (h, vd)}
+
+
+def _mlp(shape: ModelShape, p: str, inter: int | None = None) -> dict[str, tuple[int, ...]]:
+    h, i = shape.hidden_size, inter or shape.intermediate_size
+    if shape.model_type == "glm4":
+        return {p + "down_proj.weight": (h, i), p + "gate_up_proj.weight": (2 * i, h)}
+    return {p + "gate_proj.weight": (i, h), p + "up_proj.weight": (i, h),
+            p + "down_proj.weight": (h, i)}
+
+
+def _moe(shape: ModelShape, p: str) -> dict[str, tuple[int, ...]]:
+    h = shape.hidden_size
+    out: dict[str, tuple[int, ...]] = {}
+    for e in range(shape.num_experts):
+        out.update(_mlp(shape, f"{p}mlp.experts.{e}.", shape.moe_intermediate_size))
+    out[p + "mlp.gate.weight"] = (shape.num_experts, h)
+    if shape.shared_expert_intermediate_size:
+        out.update(_mlp(shape, p + "mlp.shared_expert.", shape.shared_expert_intermediate_size))
+        out[p + "mlp.shared_expert_gate.weight"] = (1, h)
+    return out
+
+
+def param_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
+    """Every HF tensor of the model -> its shape (names sorted within a layer as HF saves)."""
+    h, v = shape.hidden_size, shape.vocab_size
+    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h)}
+    for n in range(shape.num_layers):
+        out.update(_layer(shape, n))
+    out["model.norm.weight"] = (h,)
+    if not shape.tie_word_embeddings:
+        out["lm_head.weight"] = (v, h)
+    return out
 
 
 def itemsize(dtype: str) -> int:
