@@ -29,9 +29,6 @@ _GOLDEN, _MIX = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9
 # sequences held without a slot are reported (progress without tokens) every this many
 # Steps: often enough for flow.STALL_STEPS, not every Step (hundreds wait at long judgements)
 HELD_EVERY = STALL_STEPS // 4
-DRAW_AHEAD = True   # a sequence's tokens drawn where it lands (False: per Step, the old way)
-# A TP follower keeps only what times its Steps (False: it decodes the tokens too, the old way)
-FOLLOWERS_COUNT_ONLY = True
 
 
 @lru_cache(maxsize=1 << 16)
@@ -66,8 +63,8 @@ class _Seq:
     remaining: int
     sampling: object
     # the tokens it will generate here, drawn at once where it lands (tokens_at per Step
-    # was a fifth of the simulator's time); generated[start:] came from it. Empty with
-    # DRAW_AHEAD off: drawn per Step, as before (the identity test runs both)
+    # was a fifth of the simulator's time); generated[start:] came from it. Empty on a TP
+    # follower: it only counts, its leader decodes
     ahead: list[int] = field(default_factory=list)
     start: int = 0
     length: int = 0   # prompt + generated tokens: what the iteration latency reads
@@ -75,9 +72,7 @@ class _Seq:
     def __post_init__(self) -> None:
         self.length = len(self.prompt) + len(self.generated)
 
-    def next_tokens(self, sid: str, k: int, vocab: int) -> list[int]:
-        if not self.ahead:
-            return tokens_at(sid, len(self.generated), k, vocab)
+    def next_tokens(self, k: int) -> list[int]:
         at = len(self.generated) - self.start
         return self.ahead[at:at + k]
 
@@ -161,8 +156,8 @@ class ModeledWorker:
     def _run(self, cmd: Command):
         if isinstance(cmd, ShiftUp):
             self.role = cmd.role
-            self.leads = cmd.replica == self.device or cmd.role == RoleKind.TRAINING \
-                or not FOLLOWERS_COUNT_ONLY
+            # a TP follower keeps only what times its Steps; its leader decodes
+            self.leads = cmd.replica == self.device or cmd.role == RoleKind.TRAINING
             if cmd.role == RoleKind.ROLLOUT or cmd.role == RoleKind.TRAINING:
                 self.version = self.store.version
             return {"version": self.version}, self.shift_up_s[cmd.role.value]
@@ -185,7 +180,7 @@ class ModeledWorker:
                                            list(s.generated_logprobs), s.max_new_tokens,
                                            s.sampling, tokens_at(
                                                s.seq_id, done, s.max_new_tokens, self.vocab)
-                                           if DRAW_AHEAD and self.leads else [], done)
+                                           if self.leads else [], done)
                 tokens += len(s.prompt_ids) + len(s.generated_ids)
             return len(cmd.seqs), self.slowdown * tokens * self.prefill_s_per_token.get(
                 self._model(), 0.0)
@@ -265,7 +260,7 @@ class ModeledWorker:
             progress += [SeqProgress(sid, [], []) for sid in islice(self.seqs, len(running),
                                                                      None)]
         for sid, s in live:
-            toks = s.next_tokens(sid, k, self.vocab)
+            toks = s.next_tokens(k)
             s.generated += toks
             s.logprobs += [-1.0] * k
             s.remaining -= k
