@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from proc_util import alive, ppid, wait_gone
 
-from pivotrl_hpc.launch import cgroup
+from pivotrl_hpc.runtime import cgroup
 from pivotrl_hpc.runtime import host_forker
 from pivotrl_hpc.runtime.engine_host import EngineHost
 

@@ -20,7 +20,7 @@ import yaml
 from pivotrl_hpc.config import ConfigError, load_config
 from pivotrl_hpc.config.validate import check_cpu_shares
 from pivotrl_hpc.gps.shmdir import job_files
-from pivotrl_hpc.launch import cgroup
+from pivotrl_hpc.runtime import cgroup
 from pivotrl_hpc.launch.layout import (AGENT, WORKER, LaunchError, RankLayout, check_placement,
                                        expand_hostlist, node_names)
 

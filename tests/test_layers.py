@@ -78,7 +78,6 @@ KNOWN: dict[tuple[str, str], str] = {
     # Up a floor (issue 51 point 2).
     ("reproduce/experiments.py", "pivotrl_hpc.cli.bench_e2e"): "issue 51 point 2",
     ("reproduce/experiments.py", "pivotrl_hpc.cli.bench_planner"): "issue 51 point 2",
-    ("runtime/host_forker.py", "pivotrl_hpc.launch.cgroup"): "issue 51 point 2",
     ("checkpoint/state.py", "pivotrl_hpc.controller.rl"): "issue 51 point 2",
     ("config/load.py", "pivotrl_hpc.checkpoint.layout"): "issue 51 point 2",
     ("config/validate.py", "pivotrl_hpc.checkpoint.folders"): "issue 51 point 2",

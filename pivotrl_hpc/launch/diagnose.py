@@ -13,7 +13,7 @@ from pathlib import Path
 import yaml
 
 from pivotrl_hpc.config import ConfigError
-from pivotrl_hpc.launch.cgroup import CgroupError
+from pivotrl_hpc.runtime.cgroup import CgroupError
 from pivotrl_hpc.launch.layout import LaunchError, RankLayout, RunPaths
 
 # config, allocation, cgroups, YAML: input refused before anything starts (exit 2)

@@ -10,7 +10,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # tests/: proc_util
 from proc_util import ppid
 
-from pivotrl_hpc.launch import cgroup
+from pivotrl_hpc.runtime import cgroup
 from pivotrl_hpc.runtime import host_forker
 from pivotrl_hpc.runtime.engine_host import EngineHost
 

@@ -8,7 +8,7 @@ import os
 import time
 from pathlib import Path
 
-from pivotrl_hpc.launch import cgroup
+from pivotrl_hpc.runtime import cgroup
 from pivotrl_hpc.launch.layout import RunPaths
 from pivotrl_hpc.protocol.messages import QueryState, Shutdown
 from pivotrl_hpc.runtime.serve import WorkerClient
