@@ -11,7 +11,8 @@ from controller_util import make_controller, split_bootstrap
 
 from pivotrl_hpc.checkpoint import layout
 from pivotrl_hpc.checkpoint.layout import CheckpointError
-from pivotrl_hpc.checkpoint.state import capture, check_fixed, restore
+from pivotrl_hpc.checkpoint.state import check_fixed
+from pivotrl_hpc.controller.run_state import capture, restore
 from pivotrl_hpc.config.errors import ConfigError
 from pivotrl_hpc.config.load import load_config
 from pivotrl_hpc.controller.checkpointing import Checkpointer, resume

@@ -23,9 +23,10 @@ PACKAGE = "pivotrl_hpc"
 # Top floor first; a package may import the packages on the floors below its own.
 # ARCHITECTURE.md's order, with the packages it does not list placed by what they hold:
 # reproduce drives simulations and runs (above sim and launch); sim drives the controller;
-# report reads traces; checkpoint holds run state the runtime saves; task and assets are
-# the RL task and the files it is made from; protocol is the vocabulary below them all;
-# config is the leaf.
+# report reads traces; checkpoint holds run state the runtime saves; assets makes the CPU
+# demo's models and data (its GenRM warm start uses the task's judge and rewards) above the
+# RL task; protocol is the vocabulary below them all;
+# config is the leaf, over only the registry of environment variables.
 FLOORS: tuple[tuple[str, ...], ...] = (
     ("cli",),
     ("reproduce",),
@@ -37,13 +38,14 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("checkpoint",),
     ("engines",),
     ("gps",),
-    ("task",),
     ("assets",),
+    ("task",),
     ("plan",),
     ("sched",),
     ("trace",),
     ("protocol",),
     ("config",),
+    ("envs",),   # the one registry of environment variables (pivotrl_hpc/envs.py)
 )
 # The controller and the simulator's modeled worker speak the worker protocol: they reach
 # workers through it, not through the worker's or the engines' own modules.
@@ -78,7 +80,6 @@ KNOWN: dict[tuple[str, str], str] = {
     # Up a floor (issue 51 point 2).
     ("reproduce/experiments.py", "pivotrl_hpc.cli.bench_e2e"): "issue 51 point 2",
     ("reproduce/experiments.py", "pivotrl_hpc.cli.bench_planner"): "issue 51 point 2",
-    ("checkpoint/state.py", "pivotrl_hpc.controller.rl"): "issue 51 point 2",
     ("config/load.py", "pivotrl_hpc.checkpoint.layout"): "issue 51 point 2",
     ("config/validate.py", "pivotrl_hpc.checkpoint.folders"): "issue 51 point 2",
     ("config/validate.py", "pivotrl_hpc.checkpoint.layout"): "issue 51 point 2",
@@ -88,8 +89,8 @@ KNOWN: dict[tuple[str, str], str] = {
     ("config/validate.py", "pivotrl_hpc.task.judge"): "issue 51 point 2",
     ("config/validate.py", "pivotrl_hpc.task.task"): "issue 51 point 2",
     ("config/run_checks.py", "pivotrl_hpc.trace.loggers"): "issue 51 point 2",
-    ("assets/warmstart.py", "pivotrl_hpc.task.judge"):
-        "the GenRM warm start renders judge prompts; task/data.py reads assets' synthetic set",
+    ("task/data.py", "pivotrl_hpc.assets.dataset"):
+        "the synthetic math set is made in assets (init-models writes it) and read by the task",
     # Circles (issue 51 point 3): the import that closes each.
     ("controller/report.py", "pivotrl_hpc.controller.loop"): "issue 51 point 3",
 }

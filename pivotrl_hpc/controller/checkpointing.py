@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from pivotrl_hpc.checkpoint import layout
-from pivotrl_hpc.checkpoint.state import capture, restore
 from pivotrl_hpc.controller.flow import check_replies
+from pivotrl_hpc.controller.run_state import capture, restore
 from pivotrl_hpc.protocol.messages import Reply, SaveCheckpoint
 
 log = logging.getLogger(__name__)
