@@ -25,6 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from pivotrl_hpc import envs
+
 log = logging.getLogger(__name__)
 
 
@@ -145,8 +147,8 @@ def _bench_replicate(folder: Path, transport: str) -> float:
     mpirun = shutil.which("mpirun")
     if mpirun is None:
         raise RuntimeError("mpirun not found: replicate_gbps needs Open MPI")
-    env = {**os.environ, "UCX_MODULES": os.environ.get("UCX_MODULES", "^ib,rdmacm"),
-           "OMPI_MCA_btl": os.environ.get("OMPI_MCA_btl", "self,tcp")}
+    env = {**os.environ, "UCX_MODULES": envs.UCX_MODULES.get(),
+           "OMPI_MCA_btl": envs.OMPI_MCA_BTL.get()}
     cmd = [mpirun, "--allow-run-as-root", "--oversubscribe", "-n", "4", "-x", "UCX_MODULES",
            "-x", "OMPI_MCA_btl", sys.executable, "-m", "pivotrl_hpc.cli.bench_gps",
            "--worker-replicate", str(folder), transport, f"rep{os.getpid()}"]
@@ -217,7 +219,7 @@ def _tiny_read_ms() -> dict[str, float]:
 def main(args: argparse.Namespace) -> int:
     from pivotrl_hpc.gps.local import local_agent
     res: dict = {"size_mb": args.size_mb, "readers": args.readers}
-    with tempfile.TemporaryDirectory(dir=os.environ.get("PIVOTRL_BENCH_DIR")) as d:
+    with tempfile.TemporaryDirectory(dir=envs.BENCH_DIR.raw()) as d:
         folder = Path(d) / "bench"
         nbytes = synthetic_model(folder, args.size_mb)
         res["model_bytes"] = nbytes

@@ -15,12 +15,13 @@ import os
 import socket
 import time
 
+from pivotrl_hpc import envs
 from pivotrl_hpc.gps import control
 from pivotrl_hpc.gps.agent import socket_address
 from pivotrl_hpc.gps.conns import peer_credentials
 from pivotrl_hpc.gps.control import GPSUnavailable
 
-REQUEST_S = float(os.environ.get("PIVOTRL_GPS_REQUEST_S", 30.0))
+REQUEST_S = envs.GPS_REQUEST_S.get()
 NOTICES = ("replicated", "write_failed")   # a Write's end, sent to its writers unasked
 _SLICE_S = 0.05   # how often a waiting request checks that the agent still lives
 STOPPED_S = 5.0   # an agent stopped this long fails the requests waiting on it

@@ -42,6 +42,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from pivotrl_hpc import envs
 from pivotrl_hpc.gps.shmdir import reserve_file
 
 MAGIC = 0x5350474C52544F56  # "VOTRLGPS"
@@ -54,7 +55,7 @@ _NAME = 64
 _TOKEN = 16
 
 
-_MODE = os.environ.get("PIVOTRL_GPS_SEQLOCK", "auto")
+_MODE = envs.GPS_SEQLOCK.get()
 LOCKED = _MODE == "lock" or (_MODE == "auto" and platform.machine().lower() not in
                              ("x86_64", "amd64", "i386", "i686"))
 STALL_S = 5.0        # a seqlock odd this long: its writer died mid-publish

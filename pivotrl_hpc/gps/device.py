@@ -15,17 +15,18 @@ glibc memmoves (tensors.copy_into).
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Iterable
 
 import torch
+
+from pivotrl_hpc import envs
 
 log = logging.getLogger(__name__)
 
 # cudaHostRegister flags (cuda_runtime_api.h)
 REGISTER_DEFAULT = 0x00
 REGISTER_READ_ONLY = 0x08   # a PROT_READ mapping: the device only reads it
-ENV_DISABLE = "PIVOTRL_GPS_NO_REGISTER"   # "1": copy through pageable memory (for comparison)
+ENV_DISABLE = envs.GPS_NO_REGISTER.name   # "1": copy through pageable memory (for comparison)
 
 
 def on_device(tensors: Iterable[torch.Tensor]) -> bool:
@@ -34,7 +35,7 @@ def on_device(tensors: Iterable[torch.Tensor]) -> bool:
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV_DISABLE, "") != "1" and torch.cuda.is_available()
+    return not envs.GPS_NO_REGISTER.get() and torch.cuda.is_available()
 
 
 def _call(name: str, *args) -> int:

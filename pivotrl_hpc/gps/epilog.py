@@ -20,6 +20,8 @@ import re
 import stat
 import sys
 
+from pivotrl_hpc import envs
+
 
 def clean(root: str, uid: int, job: str) -> list[str]:
     """Remove the job's files in the user's GPS folders under `root` (owned by the user,
@@ -117,7 +119,7 @@ def main(argv: list[str]) -> int:
     job, uid = argv
     if not uid.isdigit() or not job or not all(c.isalnum() or c in "_." for c in job):
         return 0   # never a name from odd input
-    shm = os.environ.get("PIVOTRL_SHM_DIR")
+    shm = envs.SHM_DIR.raw()
     found = clean(shm or "/dev/shm", int(uid), job)
     if not shm:
         found += run_user_clean(int(uid), job)

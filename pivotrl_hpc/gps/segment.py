@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pivotrl_hpc import envs
 from pivotrl_hpc.gps import device
 from pivotrl_hpc.gps.layout import TensorInfo
 from pivotrl_hpc.gps.shmdir import ROOT as SHM_ROOT
@@ -393,12 +394,12 @@ def sweep(job: str, node: str | None = None) -> list[str]:
 
 def default_job() -> str | None:
     """The Slurm job id, else a local run id (PIVOTRL_RUN_ID), else None (no job known)."""
-    job = os.environ.get("SLURM_JOB_ID") or os.environ.get("PIVOTRL_RUN_ID")
+    job = envs.SLURM_JOB_ID.raw() or envs.RUN_ID.raw()
     return re.sub(r"[^A-Za-z0-9_.]", "_", job) if job else None
 
 
 def default_node() -> str:
     """The Slurm node name (two fake nodes share one host and one /dev/shm), else the host."""
     import socket
-    node = os.environ.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0]
+    node = envs.SLURMD_NODENAME.raw() or socket.gethostname().split(".")[0]
     return re.sub(r"[^A-Za-z0-9_]", "_", node)

@@ -35,10 +35,12 @@ import secrets
 import stat
 from pathlib import Path
 
+from pivotrl_hpc import envs
+
 log = logging.getLogger(__name__)
 
 RUN_USER = Path("/run/user")
-FOLDER_ENV = "PIVOTRL_GPS_DIR"   # the folder, as the launcher publishes it to the job
+FOLDER_ENV = envs.GPS_DIR.name   # the folder, as the launcher publishes it to the job
 SUFFIX = re.compile(r"[0-9a-f]{16}")
 _JOB = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.]{0,63}")   # launch.layout.job_id's alphabet
 
@@ -64,7 +66,7 @@ def _run_user_dir(uid: int) -> Path | None:
 
 
 def _suffix_file() -> Path:
-    state = os.environ.get("XDG_STATE_HOME") or os.path.join(
+    state = envs.XDG_STATE_HOME.raw() or os.path.join(
         os.path.expanduser("~"), ".local", "state")
     return Path(state) / "pivotrl" / "gps-folder"
 
@@ -98,12 +100,12 @@ def user_suffix() -> str:
 def _locate() -> tuple[Path, Path]:
     """(the shm file system's folder the GPS folder sits in, the GPS folder)."""
     uid = os.getuid()
-    if os.environ.get(FOLDER_ENV):
-        folder = Path(os.environ[FOLDER_ENV])
+    if envs.GPS_DIR.is_set():
+        folder = Path(envs.GPS_DIR.get())
         return folder.parent, folder
-    if not os.environ.get("PIVOTRL_SHM_DIR") and (run := _run_user_dir(uid)) is not None:
+    if not envs.SHM_DIR.is_set() and (run := _run_user_dir(uid)) is not None:
         return run, run / "pivotrl"
-    root = Path(os.environ.get("PIVOTRL_SHM_DIR", "/dev/shm"))
+    root = Path(envs.SHM_DIR.get())
     try:
         suffix = user_suffix()
     except (OSError, FolderRefused) as e:   # no home to keep it in: a fresh one, published

@@ -10,7 +10,7 @@ exit otherwise); `make_transport` sets it when unset. When NIXL cannot start, `m
 falls back to MPI and records why in `fallback` (the agent reports it to `ping`).
 `PIVOTRL_GPS_MPI_CHUNK_BYTES` sets the MPI message size (default 1 GiB, the int-count limit).
 
-Fault injection, for tests only: `PIVOTRL_GPS_FAULT_NACKS=N` makes this agent refuse the first
+Fault injection, for tests only: `PIVOTRL_TEST_FAULTS=gps_nacks=N` makes this agent refuse the first
 N MPI data requests it serves, exactly as it refuses a request for a buffer it no longer
 exposes (the fault is otherwise a race that the retirement protocol of store.py prevents).
 """
@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from pivotrl_hpc import envs
+
 log = logging.getLogger(__name__)
 
 CTRL_TAG = 71
@@ -32,9 +34,9 @@ _MAX_MSG = 1 << 30  # MPI counts are ints: move big ranges in 1 GiB pieces
 
 
 def chunk_bytes() -> int:
-    n = int(os.environ.get("PIVOTRL_GPS_MPI_CHUNK_BYTES", _MAX_MSG))
+    n = envs.GPS_MPI_CHUNK_BYTES.get()
     if not 0 < n <= _MAX_MSG:
-        raise ValueError(f"PIVOTRL_GPS_MPI_CHUNK_BYTES must be in (0, {_MAX_MSG}]: {n}")
+        raise ValueError(f"{envs.GPS_MPI_CHUNK_BYTES.name} must be in (0, {_MAX_MSG}]: {n}")
     return n
 
 
@@ -69,7 +71,7 @@ class MPITransport:
         self._next_tag = _DATA_TAG0
         self._sending: list = []
         self._receiving: dict[int, tuple[Pending, list]] = {}   # first tag -> fetch
-        self._nacks_left = int(os.environ.get("PIVOTRL_GPS_FAULT_NACKS", 0))
+        self._nacks_left = envs.fault("gps_nacks")   # tests only (module docstring)
 
     def expose(self, key, buf: np.ndarray) -> dict:
         self.exposed[key] = buf

@@ -12,6 +12,8 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from pivotrl_hpc import envs
+
 SETUP_HINT = "run `make setup` (scripts/setup.sh) from the checkout"
 
 
@@ -46,7 +48,7 @@ PY_CHECKS: dict[str, tuple[str, str]] = {
 
 
 def python_check(snippet: str, hint: str, timeout: float = 120.0) -> Check:
-    env = dict(os.environ, UCX_MODULES=os.environ.get("UCX_MODULES", "^ib,rdmacm"))
+    env = dict(os.environ, UCX_MODULES=envs.UCX_MODULES.get())
     try:
         p = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True,
                            timeout=timeout, env=env)
@@ -82,8 +84,8 @@ def mpirun_check() -> Check:
 def slurm_conf() -> tuple[str | None, str]:
     """The Slurm config clients use: $SLURM_CONF, the site's, else the checkout's local
     test cluster (`slurm/local/cluster.sh`), so a developer's doctor finds it."""
-    if os.environ.get("SLURM_CONF"):
-        return os.environ["SLURM_CONF"], "SLURM_CONF"
+    if envs.SLURM_CONF.is_set():
+        return envs.SLURM_CONF.get(), envs.SLURM_CONF.name
     if os.path.exists("/etc/slurm/slurm.conf"):
         return "/etc/slurm/slurm.conf", "site"
     local = Path(__file__).resolve().parents[2] / ".run" / "slurm" / "slurm.conf"

@@ -42,7 +42,8 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from pivotrl_hpc.runtime import cgroup
+from pivotrl_hpc import envs
+from pivotrl_hpc.launch import cgroup
 from pivotrl_hpc.launch.layout import (AGENT, CONTROLLER_RANK, LaunchError, RankInfo,
                                        RankLayout, RunPaths, check_placement, host_name, job_id,
                                        port_base)
@@ -50,12 +51,8 @@ from pivotrl_hpc.launch.stop import Interrupted, Stopper, wait_barrier, watch_la
 
 log = logging.getLogger("pivotrl_hpc.launch")
 
-CONTROLLER_ENV = "PIVOTRL_CONTROLLER"
-DEFAULT_CONTROLLER = "pivotrl_hpc.controller.live:run_job"
-
-
-def _env_float(name: str, default: float) -> float:
-    return float(os.environ.get(name, default))
+CONTROLLER_ENV = envs.CONTROLLER.name
+DEFAULT_CONTROLLER = envs.CONTROLLER.default
 
 
 # ---- the GPS agent thread ---------------------------------------------------------------------
@@ -142,7 +139,7 @@ class _RoleLog:
 
 
 def controller_callable() -> Callable:
-    spec = os.environ.get(CONTROLLER_ENV) or DEFAULT_CONTROLLER
+    spec = envs.CONTROLLER.get()
     module, _, name = spec.partition(":")
     return getattr(importlib.import_module(module), name)
 
@@ -152,7 +149,7 @@ class Rank:
         self.cfg, self.layout, self.info, self.paths, self.world = cfg, layout, info, paths, world
         self.job = job_id(os.environ)
         from pivotrl_hpc.launch.resume import stop_grace
-        self.stopper = Stopper(stop_grace(_env_float("PIVOTRL_STOP_GRACE_S", 20.0),
+        self.stopper = Stopper(stop_grace(envs.STOP_GRACE_S.get(),
                                           cfg.rl.preempt_grace_s, 10.0), self._expired)
         self.agent: AgentThread | None = None
         self.failed = False
@@ -162,9 +159,9 @@ class Rank:
         from mpi4py import MPI
 
         self.stopper.install()
-        if os.environ.get("PIVOTRL_LAUNCHER_PID"):
-            threading.Thread(target=watch_launcher, args=(int(os.environ[
-                "PIVOTRL_LAUNCHER_PID"]),), name="launcher-watch", daemon=True).start()
+        if envs.LAUNCHER_PID.is_set():
+            threading.Thread(target=watch_launcher, args=(envs.LAUNCHER_PID.get(),),
+                             name="launcher-watch", daemon=True).start()
         self.paths.rank_pid(self.info.rank).write_text(f"{os.getpid()} {host_name()}\n")
         check_placement(self.layout, self.info.rank, os.environ)
         # the node forkers' names carry a token of the job's (issue 35: unguessable by
@@ -173,7 +170,7 @@ class Rank:
             (port_base(self.job, os.environ), secrets.token_hex(8)), root=CONTROLLER_RANK)
         from pivotrl_hpc.launch.resume import resolve_everywhere
         self.resumed = resolve_everywhere(self.world, self.cfg, self.info.controller)
-        hosts = self.world.allgather(os.environ.get("SLURMD_NODENAME") or host_name())
+        hosts = self.world.allgather(envs.SLURMD_NODENAME.raw() or host_name())
         self.layout = replace(self.layout, hosts=tuple(hosts))
         node_comm = self.world.Split(self.info.node, self.info.rank)
         agents = self.world.Split(0 if self.info.kind == AGENT else MPI.UNDEFINED, self.info.rank)
@@ -280,7 +277,7 @@ class Rank:
 
     # ---- the end --------------------------------------------------------------------------
     def _finish(self) -> None:
-        timeout = _env_float("PIVOTRL_SHUTDOWN_TIMEOUT_S", 120.0)
+        timeout = envs.SHUTDOWN_TIMEOUT_S.get()
         # only the controller's rank knows the job is over; the others wait as long as it runs
         wait_barrier(self.world, "end of the job (every worker shut down)",
                      timeout if self.info.controller else None)
@@ -337,7 +334,7 @@ def setup_logging(info: RankInfo, paths: RunPaths) -> None:
     os.close(fd)
     root = logging.getLogger()
     root.handlers.clear()
-    root.setLevel(os.environ.get("PIVOTRL_LOG_LEVEL", "INFO").upper())
+    root.setLevel(envs.LOG_LEVEL.get().upper())
     for stream, level in ((sys.stderr, logging.NOTSET), (console, logging.ERROR)):
         h = logging.StreamHandler(stream)
         h.setLevel(level)

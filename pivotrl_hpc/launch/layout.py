@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pivotrl_hpc import envs
 from pivotrl_hpc.engines import ports
 
 AGENT, WORKER = "agent", "worker"
@@ -173,10 +174,10 @@ def expand_hostlist(spec: str) -> list[str]:
 
 def node_names(nodes: int, env: Mapping[str, str]) -> tuple[str, ...]:
     """PIVOTRL_NODE_NAMES (comma separated), else the Slurm node list, else n0, n1, ..."""
-    if env.get("PIVOTRL_NODE_NAMES"):
-        names = env["PIVOTRL_NODE_NAMES"].split(",")
-    elif env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST"):
-        names = expand_hostlist(env.get("SLURM_JOB_NODELIST") or env["SLURM_NODELIST"])
+    if envs.NODE_NAMES.is_set(env):
+        names = envs.NODE_NAMES.get(env).split(",")
+    elif hostlist := envs.SLURM_JOB_NODELIST.raw(env) or envs.SLURM_NODELIST.raw(env):
+        names = expand_hostlist(hostlist)
     else:
         return tuple(f"n{i}" for i in range(nodes))
     if len(names) < nodes:
@@ -187,8 +188,8 @@ def node_names(nodes: int, env: Mapping[str, str]) -> tuple[str, ...]:
 
 def check_placement(layout: RankLayout, rank: int, env: Mapping[str, str]) -> None:
     """Under srun, rank r must run on node r // (G+1) (block distribution)."""
-    node_id = env.get("SLURM_NODEID")
-    if node_id is not None and int(node_id) != layout.node_of(rank):
+    node_id = envs.SLURM_NODEID.get(env)
+    if node_id is not None and node_id != layout.node_of(rank):
         raise LaunchError(f"rank {rank} runs on Slurm node {node_id} but the layout puts it on "
                           f"node {layout.node_of(rank)}: use --ntasks-per-node="
                           f"{layout.ranks_per_node} --distribution=block")
@@ -197,7 +198,7 @@ def check_placement(layout: RankLayout, rank: int, env: Mapping[str, str]) -> No
 def job_id(env: Mapping[str, str]) -> str:
     """The id that names the job's segments, sockets and cgroups: PIVOTRL_RUN_ID (set by the
     local launcher), else SLURM_JOB_ID."""
-    job = env.get("PIVOTRL_RUN_ID") or env.get("SLURM_JOB_ID")
+    job = envs.RUN_ID.raw(env) or envs.SLURM_JOB_ID.raw(env)
     if not job:
         raise LaunchError("no job id: start ranks with `pivotrl run` (sets PIVOTRL_RUN_ID) or "
                           "under Slurm (SLURM_JOB_ID)")
@@ -207,8 +208,8 @@ def job_id(env: Mapping[str, str]) -> str:
 def port_base(job: str, env: Mapping[str, str]) -> int:
     """First TCP port of the job's range: PIVOTRL_PORT_BASE, else derived from the job id
     (every rank of every node derives the same one)."""
-    if env.get("PIVOTRL_PORT_BASE"):
-        return int(env["PIVOTRL_PORT_BASE"])
+    if envs.PORT_BASE.is_set(env):
+        return envs.PORT_BASE.get(env)
     # outside the ephemeral range (engines.ports says why)
     first, end = ports.aligned_window(PORTS_PER_JOB)
     slots = max(1, (end - first) // PORTS_PER_JOB - 1)

@@ -34,12 +34,13 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pivotrl_hpc import envs
 from pivotrl_hpc.checkpoint.folders import RunFolderError, check_run, write_text
 from pivotrl_hpc.config import to_dict
 from pivotrl_hpc.config.validate import check_cpu_shares
 from pivotrl_hpc.engines import ports
 from pivotrl_hpc.gps import shmdir
-from pivotrl_hpc.runtime import cgroup
+from pivotrl_hpc.launch import cgroup
 from pivotrl_hpc.launch.diagnose import diagnose as diagnose_ranks, job_exit_code
 from pivotrl_hpc.config.paradigm import normalize
 from pivotrl_hpc.launch.layout import LaunchError, RankLayout, RunPaths, job_ports
@@ -48,8 +49,8 @@ from pivotrl_hpc.launch.resume import MARKER, previous_job, stop_grace
 log = logging.getLogger(__name__)
 
 SIGKILL_TIMEOUT_S = 5   # mpirun's SIGTERM -> SIGKILL delay when it aborts a job
-FORWARDED_ENV = ("PIVOTRL_CONTROLLER", "PIVOTRL_LOG_LEVEL", "PIVOTRL_STOP_GRACE_S",
-                 "PIVOTRL_SHUTDOWN_TIMEOUT_S", "PIVOTRL_SHM_DIR", shmdir.FOLDER_ENV,
+FORWARDED_ENV = (envs.CONTROLLER.name, envs.LOG_LEVEL.name, envs.STOP_GRACE_S.name,
+                 envs.SHUTDOWN_TIMEOUT_S.name, envs.SHM_DIR.name, shmdir.FOLDER_ENV,
                  cgroup.ROOT_ENV, "PYTHONPATH", "VLLM_LOGGING_LEVEL")
 _RANK_LINE = re.compile(r" r(\d+) \S+ (agent|worker)")
 
@@ -84,11 +85,11 @@ def prepare(cfg, *, cpu_cap: bool = True, cores: int | None = None,
                           "site's Open MPI module)")
     job = job or f"run{uuid.uuid4().hex[:8]}"
     layout = RankLayout.from_config(cfg, {})
-    env = {"PIVOTRL_RUN_ID": job, "PIVOTRL_NODE_NAMES": ",".join(layout.node_names),
-           "PIVOTRL_PORT_BASE": str(free_port_base(
+    env = {envs.RUN_ID.name: job, envs.NODE_NAMES.name: ",".join(layout.node_names),
+           envs.PORT_BASE.name: str(free_port_base(
                job_ports(layout.nodes * layout.devices_per_node))),
-           "UCX_MODULES": os.environ.get("UCX_MODULES", "^ib,rdmacm"),
-           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+           "UCX_MODULES": envs.UCX_MODULES.get(),
+           "OMP_NUM_THREADS": envs.OMP_NUM_THREADS.get(),
            "GLOO_SOCKET_IFNAME": "lo"}   # the training world's gloo pairs: one machine
     env.update({k: os.environ[k] for k in FORWARDED_ENV if k in os.environ})
     env[shmdir.FOLDER_ENV] = str(shmdir.SHM_DIR)   # every rank, this launcher's sweep: one folder
@@ -173,7 +174,7 @@ def launch(run: PreparedRun, *, grace_s: float = 30.0) -> int:
             proc = subprocess.Popen(_with_launcher_pid(run.command), stderr=err,
                                     start_new_session=True,
                                     env={**os.environ, **run.env,
-                                         "PIVOTRL_LAUNCHER_PID": str(os.getpid())})
+                                         envs.LAUNCHER_PID.name: str(os.getpid())})
     except BaseException:
         forwarder.uninstall()
         raise
@@ -202,7 +203,7 @@ def launch(run: PreparedRun, *, grace_s: float = 30.0) -> int:
 def _with_launcher_pid(command: list[str]) -> list[str]:
     """Export this process's pid to the ranks: they stop if `pivotrl run` dies (entry.py)."""
     i = command.index(sys.executable)
-    return [*command[:i], "-x", "PIVOTRL_LAUNCHER_PID", *command[i:]]
+    return [*command[:i], "-x", envs.LAUNCHER_PID.name, *command[i:]]
 
 
 class StderrFollower:

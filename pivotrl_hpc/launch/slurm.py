@@ -31,10 +31,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from pivotrl_hpc import envs
 from pivotrl_hpc.checkpoint.layout import REQUEUE_FILE, latest, root_for
 from pivotrl_hpc.config.paradigm import normalize
 from pivotrl_hpc.config.validate import check_cpu_shares
-from pivotrl_hpc.runtime import cgroup
+from pivotrl_hpc.launch import cgroup
 from pivotrl_hpc.launch.diagnose import BAD_INPUT, bad_input, diagnose, job_exit_code
 from pivotrl_hpc.launch.layout import (LaunchError, RankLayout, RunPaths, expand_hostlist,
                                        job_ports)
@@ -46,9 +47,9 @@ from pivotrl_hpc.launch.resume import (RUNNING, absolute_resume, continue_in, ea
 
 log = logging.getLogger(__name__)
 
-RUNS_ROOT_ENV = "PIVOTRL_RUNS_ROOT"
-ENTRY_ENV = "PIVOTRL_ENTRY"   # the module every rank runs; tests swap in an MPI probe
-ENTRY = "pivotrl_hpc.launch.entry"
+RUNS_ROOT_ENV = envs.RUNS_ROOT.name
+ENTRY_ENV = envs.ENTRY.name   # the module every rank runs; tests swap in an MPI probe
+ENTRY = envs.ENTRY.default
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
@@ -161,7 +162,7 @@ def check_allocation(cfg, alloc: Allocation) -> list[str]:
 
 
 def runs_root(env: Mapping[str, str], alloc: Allocation, root: str | Path | None) -> Path:
-    root = Path(root or env.get(RUNS_ROOT_ENV) or "runs")
+    root = Path(root or envs.RUNS_ROOT.get(env))
     return root if root.is_absolute() else alloc.submit_dir / root
 
 
@@ -184,11 +185,11 @@ def prepare(cfg, alloc: Allocation, *, root: str | Path | None = None,
         if note and latest(root_for(trace)) is None:   # (a requeued job has its own)
             warnings.append(note)
     config, paths = resolved_config(cfg, trace)
-    run_env = {"PIVOTRL_PORT_BASE": str(free_port_base(job_ports(len(layout.devices)))),
-               "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1")}
+    run_env = {envs.PORT_BASE.name: str(free_port_base(job_ports(len(layout.devices)))),
+               "OMP_NUM_THREADS": envs.OMP_NUM_THREADS.get(env)}
     cpus = min(alloc.cpus) // layout.ranks_per_node
     command = srun_command(layout, alloc.gpus[0], cpus, paths.config_json,
-                           entry=env.get(ENTRY_ENV) or ENTRY)
+                           entry=envs.ENTRY.get(env))
     warning = "; ".join([*warnings, *([share] if share else [])]) or None
     return PreparedRun(layout, paths, alloc.job_id, run_env, command, config, warning)
 

@@ -11,7 +11,6 @@ in its `FailedJobError`, whose text carries ours). submitit's own logs go to
 """
 from __future__ import annotations
 
-import os
 import shlex
 import sys
 from collections.abc import Sequence
@@ -19,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pivotrl_hpc import envs
 from pivotrl_hpc.launch.partition import DEFAULT_TIME_MIN
 
 DEFAULT_ROOT = "runs"
@@ -146,7 +146,7 @@ class PivotJob:
         from submitit.helpers import DelayedSubmission
 
         from pivotrl_hpc.launch.resume import checkpoint_now
-        checkpoint_now(float(os.environ.get("PIVOTRL_CHECKPOINT_WAIT_S", 60)))
+        checkpoint_now(envs.CHECKPOINT_WAIT_S.get())
         return DelayedSubmission(self, config, overrides, root=root)
 
 
@@ -180,6 +180,6 @@ def environment_note() -> str | None:
 
     if which("sbatch") is None:
         return "sbatch is not on PATH: run this on a Slurm login node (or load the Slurm module)"
-    if not os.environ.get("SLURM_CONF") and not Path("/etc/slurm/slurm.conf").exists():
+    if not envs.SLURM_CONF.is_set() and not Path("/etc/slurm/slurm.conf").exists():
         return "no Slurm configuration found (SLURM_CONF unset and no /etc/slurm/slurm.conf)"
     return None

@@ -31,6 +31,7 @@ from multiprocessing import Pipe
 from pathlib import Path
 from typing import Any, Sequence
 
+from pivotrl_hpc import envs
 from pivotrl_hpc.protocol.engine import (AbortedSequence, EngineOptions, EngineState, Sampling,
                                          StepOutput)
 from pivotrl_hpc.runtime import host_forker
@@ -291,7 +292,7 @@ def child_env(options: EngineOptions, world: TPWorld | None) -> dict[str, str]:
     env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS=str(options.omp_threads))
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     env.setdefault("HF_HUB_OFFLINE", "1")
-    env.setdefault("PIVOTRL_ENGINE_HOST_LOG",
+    env.setdefault(envs.ENGINE_HOST_LOG.name,
                    logging.getLevelName(logging.getLogger().getEffectiveLevel()))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     if world is not None and world.size > 1:

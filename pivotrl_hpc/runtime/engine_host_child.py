@@ -20,6 +20,8 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
+from pivotrl_hpc import envs
+
 log = logging.getLogger("pivotrl_hpc.runtime.engine_host")
 
 
@@ -53,7 +55,7 @@ def run(conn: Connection, worker_pid: int, name: str, env: dict[str, str]) -> No
     # close), and they follow it when it dies (pipe EOF, worker watch).
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
-    logging.basicConfig(level=os.environ.get("PIVOTRL_ENGINE_HOST_LOG", "WARNING"),
+    logging.basicConfig(level=envs.ENGINE_HOST_LOG.get(),
                         format=f"%(asctime)s [engine host {name}] %(levelname)s %(name)s: "
                                "%(message)s", force=True)
     try:

@@ -49,11 +49,12 @@ import sys
 import time
 from dataclasses import dataclass
 
+from pivotrl_hpc import envs
 from pivotrl_hpc.runtime.wire import Codec, peer
 
 log = logging.getLogger(__name__)
 
-ADDRESS_ENV = "PIVOTRL_HOST_FORKER"
+ADDRESS_ENV = envs.HOST_FORKER.name
 PID = struct.Struct("q")
 REQUEST_LEN = struct.Struct("I")
 MAX_REQUEST = 1 << 20      # a fork request (the host's environment) is far smaller
@@ -95,7 +96,7 @@ def node_address(job: str, node: str, token: str) -> str:
 
 
 def address() -> str:
-    return (os.environ.get(ADDRESS_ENV)
+    return (envs.HOST_FORKER.raw()
             or f"pivotrl-u{os.geteuid()}-pid{os.getpid()}-{_PRIVATE_TOKEN}-hosts")
 
 
@@ -220,7 +221,7 @@ def _start(name: str) -> bool:
             [sys.executable, "-m", "pivotrl_hpc.runtime.host_forker_server",
              str(listener.fileno()), str(os.getpid())],
             pass_fds=[listener.fileno()], env=env, stdin=subprocess.DEVNULL)
-    from pivotrl_hpc.runtime import cgroup
+    from pivotrl_hpc.launch import cgroup
 
     cgroup.leave_caps(_Session.child.pid)   # a restart by a capped worker: not its device
     log.info("engine host forker %s: pid %d", name, _Session.child.pid)
@@ -243,7 +244,7 @@ def fork_host(worker_pid: int, name: str, env: dict[str, str], conn_fd: int) -> 
     finally:
         os.close(status_w)
     host = ForkedHost(pid, status_r)
-    from pivotrl_hpc.runtime import cgroup
+    from pivotrl_hpc.launch import cgroup
 
     cgroup.follow(pid)
     return host

@@ -20,8 +20,9 @@ worker rank. Conventions (one place, so that every rank derives the same ones):
 """
 from __future__ import annotations
 
-import os
 from typing import Any
+
+from pivotrl_hpc import envs
 
 MiB = 2**20
 REWARD_PORT_OFFSET = 100
@@ -46,14 +47,14 @@ def worker_env(cfg: Any, device: int, port_base: int) -> dict[str, str]:
     local = device % cfg.cluster.devices_per_node
     env = {"OMP_NUM_THREADS": str(omp_threads(cfg))}
     if cfg.cluster.device_kind == "gpu":
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+        visible = envs.CUDA_VISIBLE_DEVICES.raw() or ""
         ids = [v for v in visible.split(",") if v] or [str(i) for i in range(local + 1)]
         env["CUDA_VISIBLE_DEVICES"] = ids[local]
         local = 0
     if device in training_devices(cfg):
         env.update(RANK=str(device), WORLD_SIZE=str(cfg.roles.train_devices),
                    LOCAL_RANK=str(local), MASTER_PORT=str(port_base),
-                   MASTER_ADDR=os.environ.get("PIVOTRL_MASTER_ADDR", "127.0.0.1"))
+                   MASTER_ADDR=envs.MASTER_ADDR.get())
     return env
 
 

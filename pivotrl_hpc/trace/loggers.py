@@ -20,6 +20,8 @@ from typing import Any
 
 from .tensorboard import tensorboard_dir
 
+from pivotrl_hpc import envs
+
 log = logging.getLogger(__name__)
 
 LOGGERS = ("console", "tensorboard", "wandb")
@@ -63,7 +65,7 @@ class WandbLogger:
         config = meta.get("config") or {}
         self.samples_each = int(config.get("rl", {}).get("eval_samples", 1))
         folder = Path(trace_path).parent
-        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "pivotrl"),
+        self.run = wandb.init(project=envs.WANDB_PROJECT.get(),
                               name=Path(trace_path).stem, dir=str(folder), config=config)
         self.run.define_metric("training/global_step")
         self.run.define_metric("*", step_metric="training/global_step")

@@ -7,7 +7,7 @@ clients order their steps through files in SYNC_DIR. Each rank prints one JSON l
 slow-reader: n1 pins v0 while n0 Writes v1, v2, v3; then n1 Reads its pinned v0, whose other
   half only n0 holds (the Read fetches it from n0), releases the pin and waits until v0's
   memory is gone on both nodes.
-faults: n0's agent refuses its first 7 MPI data requests (PIVOTRL_GPS_FAULT_NACKS=7 on
+faults: n0's agent refuses its first 7 MPI data requests (PIVOTRL_TEST_FAULTS=gps_nacks=7 on
   rank 0). n1 Reads v0 (its fetch from n0 fails 3 times: the Read raises);
   n0 Writes v1 (n1's replication fails 3 times: the Write raises on n0), then v2 (one
   failure, then it succeeds); n1 Reads v2.
@@ -168,7 +168,7 @@ def main() -> None:
     comm = MPI.COMM_WORLD
     node = f"n{comm.rank}"
     if scenario == "faults" and comm.rank == 0:
-        os.environ["PIVOTRL_GPS_FAULT_NACKS"] = "7"   # read by the MPI transport at start
+        os.environ["PIVOTRL_TEST_FAULTS"] = "gps_nacks=7"   # read by the MPI transport at start
     size = sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
     cfg = AgentConfig(job, node, {"policy": model_dir}, budget_bytes=int(size * 0.75),
                       transport=transport)

@@ -62,7 +62,7 @@ def main() -> None:
     comm = MPI.COMM_WORLD
     node = f"n{comm.rank}"
     if scenario == "relay-refuses" and comm.rank == 1:
-        os.environ["PIVOTRL_GPS_FAULT_NACKS"] = "1000"   # read by the MPI transport at start
+        os.environ["PIVOTRL_TEST_FAULTS"] = "gps_nacks=1000"   # read by the MPI transport at start
     pids = comm.allgather(os.getpid())
     stop = pids[1] if scenario == "relay-stalls" and comm.rank == 0 else None
     agent = NodeAgent(AgentConfig(job, node, {"policy": model_dir}, transport=transport,

@@ -17,6 +17,7 @@ from typing import ContextManager
 import torch
 import torch.distributed as dist
 
+from pivotrl_hpc import envs
 from pivotrl_hpc.engines.megatron import cpu_shim
 
 log = logging.getLogger(__name__)
@@ -56,7 +57,7 @@ def single_process_world() -> None:
     run a trainer in the calling process); variables already set are kept."""
     from pivotrl_hpc.engines.ports import free_port
 
-    if "MASTER_PORT" not in os.environ:  # not an ephemeral port: engines may take those first
+    if not envs.MASTER_PORT.is_set():  # not an ephemeral port: engines may take those first
         os.environ["MASTER_PORT"] = str(free_port())
     for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"),
                        ("MASTER_ADDR", "127.0.0.1")):
@@ -72,7 +73,7 @@ def init_distributed(timeout_s: float = 300.0) -> None:
     ensure_device_support()
     if on_gpu():
         # Bind the device before any CUDA allocation, also when the group already exists.
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(envs.LOCAL_RANK.get())
     if dist.is_initialized():
         return
     backend = "nccl" if on_gpu() else "gloo"

@@ -15,6 +15,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pivotrl_hpc import envs
 from pivotrl_hpc.engines.host import trim_host_heap
 from pivotrl_hpc.engines.memory import CPU_BATCHED_TOKENS   # one engine iteration's tokens on CPU
 from pivotrl_hpc.protocol.engine import EngineOptions
@@ -177,7 +178,7 @@ def build_llm(model_dir: Path, options: EngineOptions, gpu: bool):
     set_num_threads = torch.set_num_threads
     with one_gc_pass():
         llm = LLM(**kwargs)
-    if not gpu and os.environ.get("VLLM_CPU_OMP_THREADS_BIND") == "nobind":
+    if not gpu and envs.VLLM_CPU_OMP_THREADS_BIND.raw() == "nobind":
         # The CPU worker disables torch.set_num_threads process-wide to protect its thread
         # binding; with nobind there is none, and other roles in this process need it back.
         torch.set_num_threads = set_num_threads

