@@ -43,7 +43,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from pivotrl_hpc import envs
-from pivotrl_hpc.launch import cgroup
+from pivotrl_hpc.runtime import cgroup
 from pivotrl_hpc.launch.layout import (AGENT, CONTROLLER_RANK, LaunchError, RankInfo,
                                        RankLayout, RunPaths, check_placement, host_name, job_id,
                                        port_base)

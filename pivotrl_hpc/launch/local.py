@@ -40,7 +40,7 @@ from pivotrl_hpc.config import to_dict
 from pivotrl_hpc.config.validate import check_cpu_shares
 from pivotrl_hpc.engines import ports
 from pivotrl_hpc.gps import shmdir
-from pivotrl_hpc.launch import cgroup
+from pivotrl_hpc.runtime import cgroup
 from pivotrl_hpc.launch.diagnose import diagnose as diagnose_ranks, job_exit_code
 from pivotrl_hpc.config.paradigm import normalize
 from pivotrl_hpc.launch.layout import LaunchError, RankLayout, RunPaths, job_ports

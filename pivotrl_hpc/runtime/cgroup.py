@@ -36,10 +36,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from pivotrl_hpc import envs
+
 log = logging.getLogger(__name__)
 
-OPT_OUT_ENV = "PIVOTRL_CPU_CAP"   # "off" disables the caps
-ROOT_ENV = "PIVOTRL_CGROUP_ROOT"  # where the job's groups go (default: the controller's mount)
+OPT_OUT_ENV = envs.CPU_CAP.name   # "off" disables the caps
+ROOT_ENV = envs.CGROUP_ROOT.name  # where the job's groups go (default: the controller's mount)
 PERIOD_US = 10_000                # see the module doc: fine enough for TP collectives
 MIN_QUOTA_US = 1_000              # the kernel's lower bound for cfs quotas
 MAX_PERIOD_US = 1_000_000         # and its upper bound for periods
@@ -71,15 +73,15 @@ class CpuCap:
 
 
 def caps_enabled(cfg, env: Mapping[str, str]) -> bool:
-    return cfg.cluster.device_kind == "cpu" and env.get(OPT_OUT_ENV, "on").lower() != "off"
+    return cfg.cluster.device_kind == "cpu" and envs.CPU_CAP.get(env).lower() != "off"
 
 
 def find_root(mounts: str | None = None) -> CpuRoot:
     """The CPU controller's mount, v1 preferred when both exist (hybrid systems), or
     ROOT_ENV (a delegated group to create the job's groups in; v2 if it has
     cgroup.controllers)."""
-    if os.environ.get(ROOT_ENV):
-        path = Path(os.environ[ROOT_ENV])
+    if envs.CGROUP_ROOT.is_set():
+        path = Path(envs.CGROUP_ROOT.get())
         return CpuRoot(2 if (path / "cgroup.controllers").exists() else 1, path)
     if mounts is None:
         mounts = Path("/proc/mounts").read_text()

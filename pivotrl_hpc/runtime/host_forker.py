@@ -221,7 +221,7 @@ def _start(name: str) -> bool:
             [sys.executable, "-m", "pivotrl_hpc.runtime.host_forker_server",
              str(listener.fileno()), str(os.getpid())],
             pass_fds=[listener.fileno()], env=env, stdin=subprocess.DEVNULL)
-    from pivotrl_hpc.launch import cgroup
+    from pivotrl_hpc.runtime import cgroup
 
     cgroup.leave_caps(_Session.child.pid)   # a restart by a capped worker: not its device
     log.info("engine host forker %s: pid %d", name, _Session.child.pid)
@@ -244,7 +244,7 @@ def fork_host(worker_pid: int, name: str, env: dict[str, str], conn_fd: int) -> 
     finally:
         os.close(status_w)
     host = ForkedHost(pid, status_r)
-    from pivotrl_hpc.launch import cgroup
+    from pivotrl_hpc.runtime import cgroup
 
     cgroup.follow(pid)
     return host
