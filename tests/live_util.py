@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,6 +36,18 @@ def run_job(config: str, models: Path, trace: Path, overrides: list[str],
 
     with spinners(contention):
         return _run_job(config, models, trace, overrides, timeout_s, watch)
+
+
+def run_jobs_side_by_side(jobs: dict[str, tuple], at_once: int = 2) -> dict[str, Future]:
+    """`run_job(*args, **kwargs)` for each name -> (args, kwargs), `at_once` at a time
+    (suite time: a short job is mostly its start-up, which leaves cores idle; memory caps
+    `at_once`). Returns when all have ended; each test takes its job's result (or failure)
+    from its future."""
+    with ThreadPoolExecutor(at_once) as pool:
+        futures = {name: pool.submit(run_job, *args, **kwargs)
+                   for name, (args, kwargs) in jobs.items()}
+        wait(futures.values())
+    return futures
 
 
 def _run_job(config: str, models: Path, trace: Path, overrides: list[str],

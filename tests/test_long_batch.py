@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 import pytest
-from live_util import check_nothing_lost, run_job
+from live_util import check_nothing_lost, run_jobs_side_by_side
 
 pytestmark = pytest.mark.slow
 
@@ -46,15 +46,23 @@ def first_step_prompt_tokens(trace) -> dict[str, int]:
     return dict(held)
 
 
+@pytest.fixture(scope="module")
+def long_batch_runs(tiny_models, dapo_data, tmp_path_factory):
+    """The two jobs side by side (suite time)."""
+    out = tmp_path_factory.mktemp("long-batch")
+    return run_jobs_side_by_side({
+        paradigm: (("learn-cpu.yaml", tiny_models, out / f"{paradigm}.h5", [
+            f"paradigm.name={paradigm}", f"data.train={dapo_data['train']}",
+            f"rl.batch_size={batch}", f"rl.group_size={group}", f"rl.steps={steps}", *extra,
+            "models.policy.max_prompt_len=80", "models.genrm.max_prompt_len=160"]), {})
+        for paradigm, (batch, group, steps, extra) in RUNS.items()})
+
+
 @pytest.mark.parametrize("paradigm", sorted(RUNS))
-def test_a_replica_step_over_4096_seeded_prompt_tokens_runs(tiny_models, dapo_data, tmp_path,
-                                                             paradigm):
-    batch, group, steps, extra = RUNS[paradigm]
-    trace = tmp_path / f"{paradigm}.h5"
-    run = run_job("learn-cpu.yaml", tiny_models, trace, [
-        f"paradigm.name={paradigm}", f"data.train={dapo_data['train']}",
-        f"rl.batch_size={batch}", f"rl.group_size={group}", f"rl.steps={steps}", *extra,
-        "models.policy.max_prompt_len=80", "models.genrm.max_prompt_len=160"])
+def test_a_replica_step_over_4096_seeded_prompt_tokens_runs(long_batch_runs, paradigm):
+    batch, group, steps, _ = RUNS[paradigm]
+    run = long_batch_runs[paradigm].result()
+    trace = run["trace"]
     held = first_step_prompt_tokens(trace)
     assert max(held.values()) > BUDGET, held
     k = 0 if paradigm == "colocated" else 2

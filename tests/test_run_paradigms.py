@@ -5,20 +5,31 @@ rule_based and vanilla for 1 step each. (colocated, disaggregated and shiftable 
 steps in test_learning.py; shiftable with TP=2 replicas in test_run_live.py.)"""
 from __future__ import annotations
 
+from concurrent.futures import Future
+
 import pytest
-from live_util import CONTENTION, check_nothing_lost, run_job
+from live_util import CONTENTION, check_nothing_lost, run_jobs_side_by_side
 
 pytestmark = pytest.mark.slow
+STEPS = {"rr_colocated": 3, "static": 1, "rule_based": 1, "vanilla": 1}
 
 
-@pytest.mark.parametrize("paradigm,steps", [("rr_colocated", 3), ("static", 1),
-                                            ("rule_based", 1), ("vanilla", 1)])
-def test_paradigm_completes_its_steps_and_loses_nothing(tiny_models, tmp_path, paradigm,
+@pytest.fixture(scope="module")
+def paradigm_runs(tiny_models, tmp_path_factory) -> dict[str, Future]:
+    """The four jobs, two at a time. rr_colocated's one run beside CPU spinners (issue 47;
+    the others: test_learning.py)."""
+    out = tmp_path_factory.mktemp("paradigms")
+    return run_jobs_side_by_side({
+        p: (("learn-cpu.yaml", tiny_models, out / f"{p}.h5",
+             [f"paradigm.name={p}", f"rl.steps={n}"]),
+            {"contention": CONTENTION if p == "rr_colocated" else 0})
+        for p, n in STEPS.items()})
+
+
+@pytest.mark.parametrize("paradigm,steps", list(STEPS.items()))
+def test_paradigm_completes_its_steps_and_loses_nothing(paradigm_runs, tmp_path, paradigm,
                                                         steps):
-    # rr_colocated's one run beside CPU spinners (issue 47; the others: test_learning.py)
-    run = run_job("learn-cpu.yaml", tiny_models, tmp_path / f"{paradigm}.h5",
-                  [f"paradigm.name={paradigm}", f"rl.steps={steps}"],
-                  contention=CONTENTION if paradigm == "rr_colocated" else 0)
+    run = paradigm_runs[paradigm].result()
     s = run["summary"]
     assert s["paradigm"] == paradigm and s["steps"] == steps
     assert s["in_flight_at_end"] == 0 and run["left"] == set()

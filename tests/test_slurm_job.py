@@ -86,23 +86,44 @@ def _watch(trace: Path, job: str, slurm_cluster, timeout_s: float) -> list[int]:
     return seen
 
 
-def _run(slurm_cluster, tiny_models, folder, sbatch_args, config, overrides, watch=False):
+def _submit(slurm_cluster, tiny_models, folder, sbatch_args, config, overrides) -> dict:
     job = submit_pivot(slurm_cluster, folder, [*sbatch_args, "--time=15"], config,
-                  [*model_overrides(tiny_models), *overrides])
-    run = folder / "runs" / f"pivotrl-{job}"
+                       [*model_overrides(tiny_models), *overrides])
     name = Path(config).stem
-    seen = _watch(run / f"{name}.h5", job, slurm_cluster, 900) if watch else []
-    res = wait_job(slurm_cluster, job, folder / "job.out", timeout=900)
-    summary = run / f"{name}.summary.json"
-    return {"job": job, "res": res, "trace": run / f"{name}.h5", "seen": seen,
+    run = folder / "runs" / f"pivotrl-{job}"
+    return {"job": job, "folder": folder, "trace": run / f"{name}.h5",
+            "summary_path": run / f"{name}.summary.json"}
+
+
+def _finish(slurm_cluster, sub: dict, watch: bool = False) -> dict:
+    seen = _watch(sub["trace"], sub["job"], slurm_cluster, 900) if watch else []
+    res = wait_job(slurm_cluster, sub["job"], sub["folder"] / "job.out", timeout=900)
+    summary = sub["summary_path"]
+    return {"job": sub["job"], "res": res, "trace": sub["trace"], "seen": seen,
             "summary": json.loads(summary.read_text()) if summary.exists() else None}
 
 
 @pytest.fixture(scope="module")
-def shiftable(slurm_cluster, tiny_models, tmp_path_factory):
-    return _run(slurm_cluster, tiny_models, tmp_path_factory.mktemp("shiftable"),
-                ["-N2", "--gres=gpu:4"], TINY, ["rl.eval_every=3", "rl.eval_prompts=4"],
-                watch=True)
+def two_node_jobs(slurm_cluster, tiny_models, tmp_path_factory) -> dict[str, dict]:
+    """The shiftable job (a reader watching its trace) and the static baseline, submitted
+    together (suite time: each is mostly its start-up; the nodes' 8 GPUs and 16 CPUs hold
+    both jobs' 4 GPUs x 2 CPUs per node)."""
+    jobs = {"shiftable": _submit(slurm_cluster, tiny_models,
+                                 tmp_path_factory.mktemp("shiftable"),
+                                 ["-N2", "--gres=gpu:4"], TINY,
+                                 ["rl.eval_every=3", "rl.eval_prompts=4"]),
+            "static": _submit(slurm_cluster, tiny_models, tmp_path_factory.mktemp("static"),
+                              ["-N2", "--gres=gpu:4"], TINY,
+                              ["paradigm.name=disaggregated",
+                               "paradigm.initial_rollout_devices=2",
+                               "paradigm.initial_reward_devices=2"])}
+    return {name: _finish(slurm_cluster, sub, watch=name == "shiftable")
+            for name, sub in jobs.items()}
+
+
+@pytest.fixture(scope="module")
+def shiftable(two_node_jobs):
+    return two_node_jobs["shiftable"]
 
 
 def test_shiftable_on_two_nodes_completes_three_steps(shiftable):
@@ -180,10 +201,8 @@ def test_a_reader_sees_steps_while_the_job_runs_and_nothing_is_left(shiftable):
     assert job_segments(shiftable["job"]) == []
 
 
-def test_a_static_baseline_on_two_nodes_completes(slurm_cluster, tiny_models, tmp_path):
-    r = _run(slurm_cluster, tiny_models, tmp_path, ["-N2", "--gres=gpu:4"], TINY,
-             ["paradigm.name=disaggregated", "paradigm.initial_rollout_devices=2",
-              "paradigm.initial_reward_devices=2"])
+def test_a_static_baseline_on_two_nodes_completes(two_node_jobs):
+    r = two_node_jobs["static"]
     assert (r["res"].state, r["res"].exit_code) == ("COMPLETED", 0), r["res"].output[-3000:]
     assert r["summary"]["steps"] == 3 and r["summary"]["paradigm"] == "disaggregated"
     check_nothing_lost(r["trace"], steps=3, per_step=4 * 4, k=2)
