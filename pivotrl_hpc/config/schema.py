@@ -148,6 +148,10 @@ class ParadigmConfig:
     # The planner's tau_shift follows the shifts' measured seconds (False: the configured
     # shift_seconds_* for the whole job, as the paper's planner treats it: a constant)
     measured_tau: bool = True
+    # Beyond the paper (sched/tail.py): the last this many judgements of a batch to reach
+    # reward (its longest responses') each decode on a replica emptied for it. 0: off,
+    # Dispatch as the paper.
+    tail_isolation: int = 0
 
 
 @dataclass

@@ -84,6 +84,9 @@ def _training(cfg: Config) -> None:
     if cfg.rl.group_size < 2:
         raise ConfigError("rl.group_size", f"{cfg.rl.group_size}: GRPO needs at least 2 "
                                            "responses per prompt to normalise advantages")
+    if cfg.paradigm.tail_isolation < 0:
+        raise ConfigError("paradigm.tail_isolation", "need a count of a batch's last "
+                          f"judgements (0: off), got {cfg.paradigm.tail_isolation}")
     if not 0 <= cfg.paradigm.rule_low_kv < cfg.paradigm.rule_high_kv <= 1:
         raise ConfigError("paradigm.rule_low_kv", "need 0 <= rule_low_kv < rule_high_kv <= 1, "
                           f"got {cfg.paradigm.rule_low_kv} and {cfg.paradigm.rule_high_kv}")

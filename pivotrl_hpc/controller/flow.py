@@ -211,13 +211,23 @@ class RoleFlow:
             rec.version = v if rec.version is None else min(rec.version, v)
         if not finishing:   # KV full: sequences preempted back to the queue with their tokens
             for victim in self.sched.grow_preempting(replica, sid, len(tokens)):
-                vrec = self.records[victim]
-                self._leaving(replica, vrec)
-                vrec.replica = None
-                vrec.epoch += 1   # its output still in this reply is stale: it resumes
-                self.preempted.append((replica, victim))
-                self.on_event("preempt", vrec, replica)
+                self._preempt(replica, victim)
         return len(tokens)
+
+    def _preempt(self, replica: str, victim: int) -> None:
+        vrec = self.records[victim]
+        self._leaving(replica, vrec)
+        vrec.replica = None
+        vrec.epoch += 1   # its output still in this reply is stale: it resumes
+        self.preempted.append((replica, victim))
+        self.on_event("preempt", vrec, replica)
+
+    def evicted(self) -> None:
+        """Sequences the scheduler's tail isolation took off their replica (sched/tail.py):
+        aborted on the engine as KV preemption's victims are; they wait in the queue."""
+        for replica, victim in self.sched.evicted:
+            self._preempt(replica, victim)
+        self.sched.evicted.clear()
 
     def _finish(self, replica: str, sid: int, tokens: list[int], now: float) -> None:
         rec = self.records[sid]

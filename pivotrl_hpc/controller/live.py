@@ -32,6 +32,7 @@ from pivotrl_hpc.protocol.messages import Shutdown
 from pivotrl_hpc.task.task import build_task
 from pivotrl_hpc.engines.memory import replica_kv_tokens
 from pivotrl_hpc.sched.model import ThroughputModel
+from pivotrl_hpc.sched.tail import TailIsolation
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +54,15 @@ def loop_config(cfg: Config) -> LoopConfig:
         eval_before_train=cfg.rl.eval_before_train, samples=cfg.trace.samples,
         step_iterations=r.step_iterations, prebuild=prebuild_models(cfg),
         ignore_eos_judge=cfg.workload.length_mode == "budget",
-        migration=cfg.paradigm.migration)
+        migration=cfg.paradigm.migration, tail=tail_isolation(cfg))
+
+
+def tail_isolation(cfg: Config) -> TailIsolation | None:
+    """paradigm.tail_isolation as the Scheduler's spec: a batch's last n judgements, each on
+    a replica of its own; sample ids run a batch at a time (controller/rl.py), prompts x
+    group size of them."""
+    n, batch = cfg.paradigm.tail_isolation, cfg.rl.batch_size * cfg.rl.group_size
+    return TailIsolation(batch, late=min(n, batch), lanes=n) if n > 0 else None
 
 
 def prebuild_models(cfg: Config) -> tuple[str, ...]:

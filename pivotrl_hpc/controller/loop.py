@@ -37,6 +37,7 @@ from pivotrl_hpc.plan.types import AllocationPolicy, ShiftPlan
 from pivotrl_hpc.protocol.messages import (Prepare, QueryState, Reply, Shutdown, Step, TrainBatch,
                                            TrainStep, WaitWrite)
 from pivotrl_hpc.sched.scheduler import Scheduler
+from pivotrl_hpc.sched.tail import TailIsolation
 
 log = logging.getLogger(__name__)
 STOP_SHUTDOWN_S = 15.0   # a stop signal's Shutdown wait: inside launch.stop's 20 s grace
@@ -60,6 +61,7 @@ class LoopConfig:
     prebuild: tuple[str, ...] = ()        # engines every device builds asleep at start
     # shift-up migration loop of a policy without planner parameters (sched.migration)
     migration: bool | str = True
+    tail: TailIsolation | None = None     # Dispatch's tail isolation (None: the paper's)
 
 
 class Controller:
@@ -73,8 +75,10 @@ class Controller:
         self.tau, self.trace = tau, trace if trace is not None else NullTrace()
         self.decider = decider or InlineDecider()
         self.validation = list(validation)
-        self.flows = {role: RoleFlow(role, Scheduler(models[role].model), self._finished,
-                                     self._seq_event) for role in GEN_ROLES}
+        # tail isolation (sched/tail.py) for reward, whose batches arrive a response at a time
+        self.flows = {role: RoleFlow(role, Scheduler(models[role].model, tail=cfg.tail
+                                                     if role == "reward" else None),
+                                     self._finished, self._seq_event) for role in GEN_ROLES}
         self.training = TrainingUnit(tuple(cfg.training_devices))
         # the planner's ablations without migration run without it, not only plan so
         migrate = getattr(getattr(policy, "params", None), "migrate", cfg.migration)
@@ -258,6 +262,7 @@ class Controller:
             if not flow.sched.queue:   # nothing to place: skip building the index
                 continue
             moves = flow.sched.dispatch()
+            flow.evicted()
             for action in add_actions(role, moves, self.executor.book.replicas):
                 self.executor.apply(action, None)
 

@@ -26,6 +26,7 @@ from pivotrl_hpc.sched.migration import LOOPS, MigrationSpec, resolve
 from pivotrl_hpc.sched.model import ReplicaThroughput
 from pivotrl_hpc.sched.state import (KVOverflow, Replica, SchedulerError, Sequence,
                                      WaitingQueue)
+from pivotrl_hpc.sched.tail import TailIsolation, Tails, fewest_tokens
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +60,13 @@ class MigrationResult:
 class Scheduler:
     def __init__(self, model: ReplicaThroughput, replicas: Iterable[Replica] = (),
                  queue: WaitingQueue | None = None, counter: OpCounter | None = None,
-                 record_moves: bool = True) -> None:
+                 record_moves: bool = True, tail: TailIsolation | None = None) -> None:
         self.model = model
+        # None: Dispatch as the paper (sched/tail.py: the lever beyond it)
+        self.tails = Tails(tail) if tail is not None else None
+        # (replica, sequence) that tail isolation took off a replica: the caller aborts them
+        # on the engine (as a KV preemption's victims) and clears the list
+        self.evicted: list[tuple[str, int]] = []
         self.record_moves = record_moves  # the planner's simulation only needs throughput
         self.replicas: dict[str, Replica] = {}
         self.queue = queue if queue is not None else WaitingQueue()
@@ -105,6 +111,7 @@ class Scheduler:
     def copy(self) -> "Scheduler":
         twin = Scheduler(self.model, queue=self.queue.copy(), counter=self.counter,
                          record_moves=self.record_moves)
+        twin.tails = None if self.tails is None else self.tails.copy()
         twin.replicas = {rid: r.copy() for rid, r in self.replicas.items()}
         return twin
 
@@ -161,8 +168,64 @@ class Scheduler:
     def dispatch(self, replica_ids: Iterable[str] | None = None) -> list[Move]:
         """Dispatch(Q, R): place queued sequences by largest ΔT_i; misfits stay queued."""
         ids = list(self.replicas) if replica_ids is None else list(replica_ids)
-        index = DispatchIndex(self.model, [self._replica(rid) for rid in ids], self.counter)
-        return self._dispatch(index)
+        reps = [self._replica(rid) for rid in ids]
+        if self.tails is not None and self.queue:
+            return self._dispatch_tails(reps)
+        return self._dispatch(DispatchIndex(self.model, reps, self.counter))
+
+    def _dispatch_tails(self, reps: list[Replica]) -> list[Move]:
+        """Dispatch with tail isolation (sched/tail.py): a tail sequence to a replica of its
+        own (its sequences evicted: `evicted`) or, past the lanes, to the lane holding the
+        fewest tokens; the others by ΔT_i off the lanes, onto them only when nowhere else
+        has room. The evicted wait in the queue for the next Dispatch (their engine first
+        hears of the Abort)."""
+        tails = self.tails
+        entries = self.queue.take_entries()
+        late = [e for e in entries if tails.arrive(e[1])]
+        lanes = tails.lanes(list(self.replicas.values()))
+        if not lanes and len(self.replicas) <= 2:   # no room for a lane: the paper's
+            self.queue.restore_entries(entries)
+            return self._dispatch(DispatchIndex(self.model, reps, self.counter))
+        moves: list[Move] = []
+        waiting, evicted = [], []
+        for entry in late:
+            pos = self._lane_for(reps, lanes, entry[2], evicted)
+            if pos is None:
+                waiting.append(entry)
+                continue
+            reps[pos].add(entry[2])
+            lanes.add(reps[pos].replica_id)
+            if self.counter is not None:
+                self.counter.dispatched += 1
+            if self.record_moves:
+                moves.append(Move(entry[1], None, reps[pos].replica_id))
+        self.queue.restore_entries(sorted(waiting + [e for e in entries
+                                                     if e[1] not in tails.tails]))
+        free = [r for r in reps if r.replica_id not in lanes]
+        if free:
+            moves += self._dispatch(DispatchIndex(self.model, free, self.counter))
+        if self.queue and len(free) < len(reps):
+            moves += self._dispatch(DispatchIndex(self.model, reps, self.counter))
+        self.queue.extend(seq for _, seq in evicted)
+        self.evicted += [(rid, seq.seq_id) for rid, seq in evicted]
+        return moves
+
+    def _lane_for(self, reps: list[Replica], lanes: set[str], seq: Sequence,
+                  evicted: list[tuple[str, Sequence]]) -> int | None:
+        """Where a tail sequence goes: a new lane (the fewest-token replica, emptied) while
+        lanes are left and two replicas stay for the rest, else the fewest-token lane."""
+        spec = self.tails.spec
+        if len(lanes) < spec.lanes and len(self.replicas) - len(lanes) > 2:
+            others = [r for r in reps if r.replica_id not in lanes]
+            pos = min(range(len(others)), default=None,
+                      key=lambda i: (others[i].n_tok, others[i].n_seq, i))
+            if pos is not None and others[pos].capacity >= seq.length:
+                r = others[pos]
+                evicted += [(r.replica_id, r.remove(sid)) for sid in list(r.seqs)]
+                return reps.index(r)
+        ours = [i for i, r in enumerate(reps) if r.replica_id in lanes]
+        pos = fewest_tokens([reps[i] for i in ours], seq.length)
+        return ours[pos] if pos is not None else fewest_tokens(reps, seq.length)
 
     def _dispatch(self, index: DispatchIndex) -> list[Move]:
         entries = self.queue.take_entries()
@@ -232,6 +295,9 @@ class Scheduler:
 
     def _migrate_loop(self, result: MigrationResult, loop: str) -> None:
         reps = list(self.replicas.values())
+        if self.tails is not None:   # the lanes stay as they are (sched/tail.py)
+            lanes = self.tails.lanes(reps)
+            reps = [r for r in reps if r.replica_id not in lanes]
         index = DispatchIndex(self.model, reps, self.counter)
         n_seq = sum(r.n_seq for r in reps)   # the loops' bound is in N^Seq (appendix C.2)
         moved, ops = LOOPS[loop](self.model, index, _ReplicaShortest(reps), n_seq)
