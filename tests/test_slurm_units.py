@@ -184,3 +184,22 @@ def test_a_runs_resolved_config_loads_as_the_config_of_its_resume(tmp_path):
     again = load_config(paths.config_json, ["rl.steps=9"], check_files=False)
     assert again.throughput.policy.A == 1e-7 and again.rl.steps == 9
     assert again.trace.path == str(tmp_path / "run" / "x.h5")
+
+
+def test_checkpoint_now_asks_only_the_run_being_driven(tmp_path):
+    """submitit's timeout hook (`checkpoint_now`) reaches the run `launch.slurm.execute`
+    drives, and only while it drives it (`resume.driving`: the one owner of that state)."""
+    from types import SimpleNamespace
+
+    from pivotrl_hpc.launch.resume import checkpoint_now, driving
+
+    logs = tmp_path / "run" / "job.logs"
+    logs.mkdir(parents=True, mode=0o700)
+    run = SimpleNamespace(paths=SimpleNamespace(trace=tmp_path / "run" / "job.h5", logs=logs))
+    request = logs / layout.REQUEST_FILE
+    assert checkpoint_now(0.0) is None and not request.exists()   # nothing driven
+    with driving(run):
+        assert checkpoint_now(0.0) is None   # no checkpoint came: the newest (none) so far
+        assert request.read_text() == "checkpoint\n"
+    request.unlink()
+    assert checkpoint_now(0.0) is None and not request.exists()   # the run is done

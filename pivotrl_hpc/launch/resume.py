@@ -3,6 +3,7 @@ for from outside while it runs (the batch step, on Slurm's time-limit signal or 
 docs/checkpoints.md tells the whole story."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -101,15 +102,27 @@ def forget_segments(trace: Path) -> None:
                     "new ones replace them", ckpt.name)
 
 
-RUNNING: list = []   # the launch.local.PreparedRun launch.slurm.execute drives now
+_RUNNING: list = []   # the PreparedRuns `driving` holds: this process's srun jobs
+
+
+@contextlib.contextmanager
+def driving(run):
+    """While the block runs, `checkpoint_now` asks `run` (a launch.local.PreparedRun, the
+    newest one driven) for its checkpoint: submitit's timeout signal reaches the process
+    that drives the job, not the job."""
+    _RUNNING.append(run)
+    try:
+        yield run
+    finally:
+        _RUNNING.remove(run)
 
 
 def checkpoint_now(wait_s: float) -> Path | None:
     """A checkpoint of the running job, now (submitit's timeout signal): ask for one after
     the next step and wait until it is whole, at most `wait_s`; the newest whole one."""
-    if not RUNNING:
+    if not _RUNNING:
         return None
-    run = RUNNING[-1]
+    run = _RUNNING[-1]
     root = root_for(run.paths.trace)
     before = latest(root)
     request_checkpoint(run.paths.logs, "checkpoint")

@@ -42,7 +42,7 @@ from pivotrl_hpc.launch.layout import (LaunchError, RankLayout, RunPaths, expand
 from pivotrl_hpc.launch.local import (PreparedRun, StderrFollower, free_port_base,
                                       preempt_grace, resolved_config, sweep_segments,
                                       write_files)
-from pivotrl_hpc.launch.resume import (RUNNING, absolute_resume, continue_in, earlier_runs,
+from pivotrl_hpc.launch.resume import (absolute_resume, continue_in, driving, earlier_runs,
                                        request_checkpoint, requeueable, stop_grace)
 
 log = logging.getLogger(__name__)
@@ -262,18 +262,14 @@ def execute(run: PreparedRun, *, grace_s: float = 40.0) -> Outcome:
         print(f"pivotrl: warning: {run.cpu_warning}", flush=True)
     srun_log = run.paths.logs / "srun.log"
     (run.paths.logs / REQUEUE_FILE).unlink(missing_ok=True)   # a stale one: not this start's
-    with _Stop(run.paths.logs, run.job) as stop:
-        RUNNING.append(run)
-        try:
-            if stop.signum is None:
-                with open(srun_log, "ab") as err:
-                    stop.proc = subprocess.Popen(run.command, stderr=err,
-                                                 env={**os.environ, **run.env})
-                follower = StderrFollower(stop.proc, srun_log)
-                _wait(stop, stop_grace(grace_s, preempt_grace(run), 30.0))
-                follower.join()
-        finally:
-            RUNNING.remove(run)
+    with _Stop(run.paths.logs, run.job) as stop, driving(run):
+        if stop.signum is None:
+            with open(srun_log, "ab") as err:
+                stop.proc = subprocess.Popen(run.command, stderr=err,
+                                             env={**os.environ, **run.env})
+            follower = StderrFollower(stop.proc, srun_log)
+            _wait(stop, stop_grace(grace_s, preempt_grace(run), 30.0))
+            follower.join()
     rc = stop.proc.returncode if stop.proc is not None else None
     cleanup(run, failed=stop.signum is None and rc != 0)
     if stop.signum is not None:
