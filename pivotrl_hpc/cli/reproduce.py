@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-FIGURES = ("fig9", "fig10", "fig3", "fig11", "fig13", "fig14", "table2", "beyond")
+FIGURES = ("fig9", "fig10", "fig3", "fig11", "fig13", "fig14", "table2", "beyond", "tail")
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -106,7 +106,8 @@ def main(args: argparse.Namespace) -> int:
     lab = Lab(configs, scale, progress)
     results: dict = {}
     fig11_groups = tuple(g for g in paper.FIG11 if g in groups)
-    calls = {"fig9": lambda: lab.fig9(tuple(groups)), "fig11": lambda: lab.fig11(fig11_groups)}
+    calls = {"fig9": lambda: lab.fig9(tuple(groups)), "fig11": lambda: lab.fig11(fig11_groups),
+             "tail": lambda: lab.tail(tuple(groups))}
     for name in FIGURES:   # fig9 first: fig3 and fig11 use its splits and baselines
         if name in only and (name != "fig11" or fig11_groups):
             results[name] = calls.get(name, getattr(lab, name))()
@@ -161,6 +162,12 @@ def summary(results: dict, out: Path) -> str:
         lines.append("  Beyond the paper (online fit over the fixed-constant planner): "
                      + ", ".join(f"{n} {v:.3f}x" for n, v in over.items())
                      + f" (goal {results['beyond']['goal']}x)")
+    if "tail" in results:
+        t = results["tail"]
+        lines.append(f"  Beyond the paper ({t['lever']}; PivotRL as the paper -> with it): "
+                     + ", ".join(f"{g['title']} {g['paper_mean']:.0f} -> {g['tail_mean']:.0f} "
+                                 f"{g['ratio']:.3f}x" for g in t["groups"].values())
+                     + f" (goal {t['goal']}x)")
     return "\n".join(lines)
 
 

@@ -61,6 +61,9 @@ class Scale:
     cache: str | None = None   # a folder of finished runs (reproduce/runs.py), or none
 
 
+# Beyond the paper: each batch's last this many judgements on replicas of their own
+TAIL_ISOLATION = 2
+
 # Minutes instead of hours: responses cut to ~1 % of the paper's lengths, 2 seeds
 QUICK = Scale(steps=1, seeds=2, overrides=("workload.rollout_median=25",
                                            "workload.genrm_median=15"),
@@ -243,6 +246,32 @@ class Lab:
                 "note": "online: the planner refits A-D from Step round trips and tracks "
                         "measured shift seconds; fixed_*: never refitted, tau_shift the "
                         "configured shift seconds (the paper's planner)"}
+
+    def tail(self, groups=paper.GROUPS) -> dict:
+        """Beyond the paper, a Dispatch lever: PivotRL as the paper states it against PivotRL
+        with tail isolation (sched/tail.py, paradigm.tail_isolation), every group, the same
+        seeds and splits; the paper's runs are fig9's shiftable when fig9 ran."""
+        lever = f"paradigm.tail_isolation={TAIL_ISOLATION}"
+        todo = [(g, name, self.run(g, "shiftable", s, [*self.splits.get((g, "shiftable"), []),
+                                                        *extra]))
+                for g in groups for name, extra in (("paper", []), ("tail", [lever]))
+                if name == "tail" or (g, "shiftable") not in self.fig9_runs
+                for s in range(self.scale.seeds)]
+        got = {(g, "paper"): [f[PROCESSED] for f in self.fig9_runs.get((g, "shiftable"), [])
+                              if PROCESSED in f] for g in groups}
+        for (g, name, _), o in zip(todo, self._all([r for _, _, r in todo])):
+            got.setdefault((g, name), []).append(o.figures.get(PROCESSED, float("nan")))
+        out = {}
+        for g in groups:
+            paper_m, tail_m = mean_std(got[(g, "paper")]), mean_std(got[(g, "tail")])
+            out[g] = {"title": paper.TITLES[g], "paper": got[(g, "paper")],
+                      "tail": got[(g, "tail")], "paper_mean": paper_m[0], "paper_std": paper_m[1],
+                      "tail_mean": tail_m[0], "tail_std": tail_m[1],
+                      "ratio": tail_m[0] / paper_m[0]}
+        return {"lever": lever, "goal": 1.05, "groups": out,
+                "reaches_goal_everywhere": all(v["ratio"] >= 1.05 for v in out.values()),
+                "note": "PivotRL (shiftable) as the paper states it vs with Dispatch's tail "
+                        "isolation; processed tokens/s, mean of the seeds"}
 
     # --- Figure 13 ----------------------------------------------------------------------
     def fig13(self, g: str = FIG14_GROUP) -> dict:

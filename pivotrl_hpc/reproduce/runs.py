@@ -167,6 +167,8 @@ def _entry(cache: str | None, cfg, constants, fractions: bool,
         m.pop("path", None)
     d["data"].pop("train", None)
     d["data"].pop("validation", None)
+    if not d["paradigm"].get("tail_isolation"):   # off (the paper): the keys runs had before
+        d["paradigm"].pop("tail_isolation", None)
     parts = {"v": CACHE_VERSION, "config": d, "constants": constants.to_dict(),
              "fractions": fractions}
     if planner:
