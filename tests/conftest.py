@@ -26,12 +26,12 @@ def tiny_models(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def warm_models(tmp_path_factory) -> Path:
-    """As `pivotrl init-models` writes them: the same folders and data (64 training
-    problems), the policy and the GenRM warm-started on the training set."""
+    """As `pivotrl init-models` writes them: the same folders and data (16 training
+    problems, its default), the policy and the GenRM warm-started on the training set."""
     from pivotrl_hpc.cli.init_models import init_models
 
     out = tmp_path_factory.mktemp("warm")
-    init_models(out, train=64, validation=16)
+    init_models(out, train=16, validation=16)
     return out
 
 

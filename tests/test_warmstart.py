@@ -1,17 +1,22 @@
 """`pivotrl init-models`' warm start (issue 48): the tiny policy writes DAPO's `Answer: N`
-some of the time but not always and is right some of the time, so the rewards of a group
-differ (a random-weight policy wrote the line 2 times in 2,048: every group's rewards were
-equal, GRPO's loss exactly 0); the tiny GenRM answers yes or no, and mostly rightly.
-Sampled with transformers (seeded) on the training prompts, as the run renders them."""
+some of the time but not always, and when it answers it is mostly right, so the rewards of a
+group differ (a random-weight policy wrote the line 2 times in 2,048: every group's rewards
+were equal, GRPO's loss exactly 0); the tiny GenRM answers yes or no, yes to right answers
+and no to blank ones. Sampled with transformers (seeded) on the training prompts, as the run
+renders them."""
 from __future__ import annotations
+
+import collections
+import random
 
 import pytest
 
 from pivotrl_hpc.assets.dataset import dapo_row, make_split
+from pivotrl_hpc.assets.warmstart import judged_response
 from pivotrl_hpc.task.judge import FAMILIES, fill, parse_judgement, template_text
 from pivotrl_hpc.task.rewards import dapo_score
 
-PROMPTS, GROUP = 24, 4
+PROMPTS, GROUP = 16, 4   # the training set of init-models (its default --train)
 
 
 def load(folder):
@@ -56,7 +61,8 @@ def test_the_policy_answers_in_the_format_some_of_the_time_and_rightly_some(samp
     varied = sum(len(set(g)) > 1 for g in scores)
     print(f"answered {answered:.2f}, right {right:.2f}, groups with varied rewards "
           f"{varied}/{len(scores)}")
-    assert 0.3 <= answered < 1.0 and 0.05 <= right < 0.9 and varied >= len(scores) // 5
+    # room to learn to answer, and answers worth learning: right when it answers, mostly
+    assert 0.3 <= answered <= 0.8 and right >= 0.6 * answered and varied >= len(scores) // 2
 
 
 def test_the_genrm_writes_a_parseable_verdict_mostly_right(warm_models, sampled):
@@ -74,3 +80,35 @@ def test_the_genrm_writes_a_parseable_verdict_mostly_right(warm_models, sampled)
             n += 1
     print(f"GenRM verdicts parsed {parsed}/{n}, agreeing with DAPO {agree}/{n}")
     assert parsed == n and agree >= 0.6 * n
+
+
+def verdicts_on_held_out_shapes(folder, seed: int = 99, per_problem: int = 8) -> dict:
+    """The GenRM's greedy first word on responses drawn as its warm start draws them, but
+    from another seed (held out), by shape: {shape: (yes, count)}."""
+    import torch
+
+    tok, genrm = load(folder)
+    yes, no = (tok(w, add_special_tokens=False)["input_ids"][0] for w in ("yes", "no"))
+    rng, template = random.Random(seed), template_text("tiny")
+    out = collections.defaultdict(lambda: [0, 0])
+    for p in make_split(0, PROMPTS) * per_problem:
+        response, right = judged_response(p["answer"], rng, tok)
+        text = fill(template, dapo_row(p, "")["prompt"][0]["content"], response, p["answer"])
+        ids = tok(chat(tok, text), add_special_tokens=False)["input_ids"]
+        with torch.no_grad():
+            logits = genrm(torch.tensor([ids])).logits[0, -1]
+        shape = ("blank" if not response.strip() else "right" if right
+                 else "unanswered" if "Answer:" not in response else "wrong or cut")
+        out[shape][0] += bool(logits[yes] > logits[no])
+        out[shape][1] += 1
+    return {k: tuple(v) for k, v in out.items()}
+
+
+def test_the_genrm_says_yes_to_right_answers_and_no_to_blank_ones(warm_models):
+    """The GenRM may not reward what GRPO could collapse to: a GenRM that said yes to 17 of 24
+    blank responses had disaggregated learn-cpu answer blank from step 8 (loss exactly 0)."""
+    got = verdicts_on_held_out_shapes(warm_models / "genrm")
+    print("GenRM yes / responses on held-out shapes:", got)
+    rate = {k: y / n for k, (y, n) in got.items()}
+    assert rate["right"] >= 0.7 and rate["blank"] <= 0.15
+    assert rate["unanswered"] <= rate["right"] - 0.2

@@ -5,17 +5,21 @@ A random-weight policy never writes DAPO's `Answer: N` line, so every response s
 GRPO group has no variance and the loss is exactly 0; a random GenRM never writes a verdict.
 So, on the training problems rendered as the run renders them (each folder's own chat
 template; the judge prompt from the tiny family's template):
-- the policy learns to answer `Answer: N` some of the time (`ANSWERED`), else a line without
-  one, and is stopped short (`POLICY_STEPS`), so its sampled answers are right only some of
-  the time: a group's rewards differ, which is what GRPO learns from;
-- the GenRM learns to answer the tiny template's "Verdict (yes or no)?" with `yes` when the
-  response's answer is the reference's and `no` otherwise, on responses of the three kinds
-  the policy writes.
-Deterministic (seeded data, order and initialisation; one thread), a few seconds on CPU.
+- the policy learns the answers of the (small) training set, but writes the `Answer: N` line
+  only about half of the time (`ANSWERED`) and a line without one otherwise: a group's
+  rewards differ, and what GRPO can learn within a few steps is the choice every prompt
+  shares, to answer (a 64-problem set was memorised too poorly in a CPU minute: sampled
+  answers right 1 time in 10, and then the GenRM's noise was the only signal, issue 48);
+- the GenRM learns to answer the tiny template's "Verdict (yes or no)?" with `yes` when DAPO
+  scores the response correct and `no` otherwise, on the shapes the policy writes in the CPU
+  configs' budget mode (right, wrong, unanswered, blank, cut short by the drawn length). A
+  GenRM that said yes to blank and cut responses had GRPO learn to answer blank.
+Deterministic (seeded data, order and initialisation; one thread), under a minute quiet.
 """
 from __future__ import annotations
 
 import logging
+import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +28,7 @@ from pivotrl_hpc.assets.dataset import make_split
 
 log = logging.getLogger(__name__)
 
-ANSWERED = (4, 1)       # targets of each problem with the Answer line, and without
+ANSWERED = (1, 1)       # targets of each problem with the Answer line, and without
 NO_ANSWER = "Let us compute the result step by step."
 
 
@@ -33,10 +37,14 @@ class Schedule:
     steps: int
     batch: int
     lr: float
+    warmup: int = 0         # > 0: linear warm-up over these steps, then a cosine decay
 
 
-POLICY = Schedule(steps=300, batch=64, lr=3e-3)
-GENRM = Schedule(steps=60, batch=16, lr=1e-3)
+POLICY = Schedule(steps=200, batch=32, lr=3e-3)
+# Many small steps: a 60 x 16 fit said "no" to every response alike (it had not yet learned to
+# look at the response); 200 x 8 tells an answer from blank and unanswered ones.
+GENRM = Schedule(steps=200, batch=8, lr=2e-3, warmup=10)
+GENRM_PER_PROBLEM = 64  # judged responses drawn for each training problem
 
 
 def wrong(answer: str, rng: random.Random) -> str:
@@ -45,14 +53,28 @@ def wrong(answer: str, rng: random.Random) -> str:
     return str(n) if rng.random() < 0.7 else str(rng.randint(-99, 999))
 
 
-def judged_response(answer: str, rng: random.Random) -> tuple[str, bool]:
-    """A response as the warm policy writes it, and whether DAPO would score it correct."""
-    kind = rng.random()
+def judged_response(answer: str, rng: random.Random, tok) -> tuple[str, bool]:
+    """A response as the warm policy writes it in budget mode, and whether DAPO scores it
+    correct: right (40 %), wrong (25 %), the line without an answer cut anywhere (10 %), blank
+    (10 %: EOS first, only the blank lines past it), the answer cut a token or more short by
+    the drawn length (15 %); then 0-3 blank lines written past EOS."""
+    from pivotrl_hpc.task.rewards import dapo_score
+
+    kind, cut = rng.random(), lambda text, n: tok.decode(
+        tok(text, add_special_tokens=False)["input_ids"][:n])
     if kind < 0.4:
-        return f"Answer: {answer}", True
-    if kind < 0.8:
-        return f"Answer: {wrong(answer, rng)}", False
-    return NO_ANSWER, False
+        text = f"Answer: {answer}"
+    elif kind < 0.65:
+        text = f"Answer: {wrong(answer, rng)}"
+    elif kind < 0.75:
+        text = cut(NO_ANSWER, rng.randint(1, 9))
+    elif kind < 0.85:
+        text = ""
+    else:
+        full = f"Answer: {answer}"
+        text = cut(full, rng.randrange(1, len(tok(full, add_special_tokens=False)["input_ids"])))
+    text += "\n" * rng.choice((0, 0, 1, 2, 3))
+    return text, bool(dapo_score("", text, answer)["acc"])
 
 
 AFTER_EOS = 2   # blank lines after the EOS, each followed by EOS again
@@ -93,9 +115,9 @@ def genrm_examples(folder: Path, problems: list[dict], seed: int) -> list:
 
     tok, rng = AutoTokenizer.from_pretrained(str(folder)), random.Random(seed)
     template, out = template_text("tiny"), []
-    for p in problems:
+    for p in problems * GENRM_PER_PROBLEM:
         problem = dapo_row(p, "")["prompt"][0]["content"]
-        response, right = judged_response(p["answer"], rng)
+        response, right = judged_response(p["answer"], rng, tok)
         text = fill(template, problem, response, p["answer"])
         # one word, as the template's "Verdict (yes or no)?" asks: it fits any length budget
         out.append(_encode(tok, [{"role": "user", "content": text}], "yes" if right else "no"))
@@ -114,6 +136,7 @@ def train(folder: Path, examples: list, schedule: Schedule, seed: int) -> float:
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
         opt = torch.optim.AdamW(model.parameters(), lr=schedule.lr, weight_decay=0.0)
+        lr = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(schedule, s))
         rng, loss = random.Random(seed), torch.tensor(float("nan"))
         model.train()
         for _ in range(schedule.steps):
@@ -122,12 +145,21 @@ def train(folder: Path, examples: list, schedule: Schedule, seed: int) -> float:
             opt.zero_grad()
             loss.backward()
             opt.step()
+            lr.step()
         model.eval()
         model.save_pretrained(folder, safe_serialization=True)
     finally:
         torch.set_num_threads(threads)
     log.info("warm start of %s: %d steps, last loss %.3f", folder, schedule.steps, loss.item())
     return float(loss.item())
+
+
+def _lr_factor(schedule: Schedule, step: int) -> float:
+    """1 throughout, or a linear warm-up then a cosine decay to 5 % (`schedule.warmup`)."""
+    if not schedule.warmup:
+        return 1.0
+    cosine = 0.5 * (1 + math.cos(math.pi * step / schedule.steps))
+    return min(1.0, (step + 1) / schedule.warmup) * (0.05 + 0.95 * cosine)
 
 
 def _batch(pairs: list):

@@ -17,8 +17,9 @@ from pivotrl_hpc.assets.models import GENRM_ARCHS
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("dir", type=Path, help="output folder (policy/, genrm/, data/)")
     p.add_argument("--seed", type=int, default=0, help="dataset seed")
-    p.add_argument("--train", type=int, default=64,
-                   help="training problems (the warm start learns their answers)")
+    p.add_argument("--train", type=int, default=16,
+                   help="training problems (the warm start learns their answers: a small set, "
+                        "so that the tiny policy knows them after a CPU minute)")
     p.add_argument("--validation", type=int, default=64, help="validation problems")
     p.add_argument("--genrm-arch", default="qwen2", choices=GENRM_ARCHS,
                    help="architecture of the tiny GenRM: dense Qwen2 (default) or one of the "
@@ -38,7 +39,7 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def init_models(out: Path, seed: int = 0, train: int = 64, validation: int = 64,
+def init_models(out: Path, seed: int = 0, train: int = 16, validation: int = 64,
                 genrm_arch: str = "qwen2", with_100m: bool = False, warm: bool = True) -> dict:
     """Write the models and the data under `out`; warm-start the policy and a Qwen2 GenRM
     (the other architectures serve the architecture tests, with random weights)."""
