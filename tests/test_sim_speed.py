@@ -93,10 +93,43 @@ def test_a_response_is_decoded_once_between_its_judge_prompt_and_its_score(task,
     monkeypatch.setattr(t.policy, "decode", lambda ids: calls.append(1) or decode(ids))
     ids = t.judge_prompt(p, response)
     score = t.score(p, response, [])
-    assert len(calls) == 1 and id(response) not in t._texts   # let go after its score
-    other = list(response)   # equal, but another list: decoded again, to the same prompt
+    assert len(calls) == 1 and tuple(response) not in t._texts   # let go after its score
+    other = list(response)   # equal, another list, after the score: decoded again, the same
     assert t.judge_prompt(p, other) == ids and t.score(p, other, []) == score
     assert len(calls) == 2
+
+
+def test_the_text_cache_drops_the_least_recent_never_all(task, monkeypatch):
+    """Past TEXTS_KEPT responses waiting for their score, only the least recently used is
+    decoded again: the cache was once cleared whole (every live entry decoded twice)."""
+    from pivotrl_hpc.task import task as T
+
+    _, t, train = task
+    monkeypatch.setattr(T, "TEXTS_KEPT", 4)
+    calls = []
+    decode = t.policy.decode
+    monkeypatch.setattr(t.policy, "decode", lambda ids: calls.append(tuple(ids)) or decode(ids))
+    responses = [[7 + i, 8, 9] for i in range(5)]
+    for r in responses:
+        t.judge_prompt(train[0], r)
+    assert len(calls) == 5 and list(t._texts) == [tuple(r) for r in responses[1:]]
+    for r in responses[::-1]:            # each scored: only the evicted first decodes again
+        t.score(train[0], r, [])
+    assert calls[5:] == [tuple(responses[0])] and not t._texts
+
+
+def test_each_build_gets_its_own_task(tiny_models):
+    """Controllers built in one process (a simulate search) share what loading read, never
+    an RLTask: one's text cache is not another's."""
+    from pivotrl_hpc.config import load_config
+    from pivotrl_hpc.task.task import build_task
+
+    cfg = load_config(ROOT / "configs" / "tiny-cpu.yaml", model_overrides(tiny_models))
+    (a, train_a, _), (b, train_b, _) = build_task(cfg), build_task(cfg)
+    assert a is not b and a.records is b.records and train_a == train_b
+    assert train_a is not train_b
+    a.text([5, 6, 7])
+    assert (5, 6, 7) in a._texts and not b._texts
 
 
 def test_sequences_waiting_past_max_num_seqs_are_held_not_lost(monkeypatch):

@@ -8,8 +8,10 @@ compute_score, a judge template that does not fit) raises TaskError when the tas
 """
 from __future__ import annotations
 
+import copy
 import logging
 import os
+from collections import OrderedDict
 from collections.abc import Sequence
 
 from pivotrl_hpc.config.schema import Config
@@ -47,7 +49,7 @@ class RLTask:
         self.template = template_text(cfg.reward.genrm_template)
         self.rule = parse_rule(cfg)
         self.records: dict[int, D.Record] = {}
-        self._texts: dict[int, tuple[Sequence[int], int, str]] = {}   # text(): id -> text
+        self._texts: OrderedDict[tuple[int, ...], str] = OrderedDict()   # text(): ids -> text
         self.filtered: dict[str, int] = {}      # split -> overlong prompts dropped
         self.opens_thinking = self.genrm.text(
             [{"role": "user", "content": "x"}]).rstrip().endswith("<think>")
@@ -132,17 +134,27 @@ class RLTask:
                                   (rec.data_source, "Answer: 0", rec.answer, rec.extra_info))
 
     def text(self, response_ids: Sequence[int]) -> str:
-        """The response's text. The controller hands the same (never changed) response list
-        to `judge_prompt` and later to `score`, so its text is kept in between: one decode
-        a response instead of two (`score` lets it go)."""
-        got = self._texts.get(id(response_ids))
-        if got is not None and got[0] is response_ids and got[1] == len(response_ids):
-            return got[2]
+        """The response's text, kept between `judge_prompt` and `score` (one decode a
+        response instead of two; `score` lets it go). Keyed by the tokens themselves; past
+        TEXTS_KEPT the least recently used goes (a response never scored, or one decoded
+        again at its score: slower, never wrong)."""
+        key = tuple(response_ids)
+        text = self._texts.get(key)
+        if text is not None:
+            self._texts.move_to_end(key)
+            return text
         text = self.policy.decode(response_ids)
-        if len(self._texts) >= TEXTS_KEPT:   # responses never scored (a run's end)
-            self._texts.clear()
-        self._texts[id(response_ids)] = (response_ids, len(response_ids), text)
+        self._texts[key] = text
+        while len(self._texts) > TEXTS_KEPT:
+            self._texts.popitem(last=False)
         return text
+
+    def fork(self) -> "RLTask":
+        """This task for another controller: the loaded records, renderers and scorer are
+        shared (read only), the response-text cache is its own."""
+        twin = copy.copy(self)
+        twin._texts = OrderedDict()
+        return twin
 
     def judge_prompt(self, prompt: PromptData, response_ids: Sequence[int]) -> list[int]:
         """The GenRM's prompt; a response too long for models.genrm.max_prompt_len keeps its
@@ -179,7 +191,7 @@ class RLTask:
         w = self.cfg.reward.weights
         score = Score(self.verdict(prompt, response_ids).score, j.score, j.parsed,
                       w.verifiable, w.genrm)
-        self._texts.pop(id(response_ids), None)   # its last use
+        self._texts.pop(tuple(response_ids), None)   # its last use
         return score
 
 
@@ -198,22 +210,25 @@ class RLTask:
                 "parse": outcome}
 
 
-_BUILT: dict[str, tuple[RLTask, list[PromptData], list[PromptData]]] = {}
+# The last task loaded in this process, by its settings: `pivotrl simulate` builds a
+# controller for every candidate of its search (21 for a paper group), each with the same
+# task. Only what loading reads is shared; each build_task gets its own RLTask (fork).
+_LOADED: dict[str, tuple[RLTask, list[PromptData], list[PromptData]]] = {}
 
 
 def build_task(cfg: Config) -> tuple[RLTask, list[PromptData], list[PromptData]]:
     """The task, the training prompts in step order, and the validation prompts (none
-    without data.validation or rl.eval_every); TaskError names the key to fix. Built once
-    per process for the same task settings: `pivotrl simulate` builds a controller for
-    every candidate of its search (21 for a paper group), each with the same task."""
+    without data.validation or rl.eval_every); TaskError names the key to fix. Loaded once
+    per process for the same task settings; every caller gets its own RLTask and lists."""
     key = repr((cfg.data, cfg.reward, cfg.models.policy, cfg.models.genrm, cfg.rl,
                 [_stamp(p) for p in (cfg.data.train, cfg.data.validation,
                                      cfg.reward.genrm_template,
                                      cfg.reward.verifiable.rsplit(":", 1)[0])]))
-    if key not in _BUILT:
-        _BUILT.clear()   # one at a time: a task holds every rendered prompt
-        _BUILT[key] = _build(cfg)
-    return _BUILT[key]
+    if key not in _LOADED:
+        _LOADED.clear()   # one at a time: a task holds every rendered prompt
+        _LOADED[key] = _build(cfg)
+    task, train, validation = _LOADED[key]
+    return task.fork(), list(train), list(validation)
 
 
 def _stamp(path: str) -> tuple[int, int] | None:
