@@ -233,6 +233,7 @@ def test_bench_e2e_searches_each_paradigms_allocation_and_computes_speedups(tiny
     import argparse
 
     from pivotrl_hpc.cli import bench_e2e
+    from pivotrl_hpc.reproduce import search
 
     overrides = [f"models.policy.path={tiny_models / 'policy'}",
                  f"models.genrm.path={tiny_models / 'genrm'}",
@@ -259,8 +260,8 @@ def test_bench_e2e_searches_each_paradigms_allocation_and_computes_speedups(tiny
     args.overrides, args.no_search = overrides, True
     assert bench_e2e.best_split(args, "disaggregated") == (dis[2], None)   # config's width
     assert bench_e2e.best_split(args, "shiftable") == ([], None)
-    assert bench_e2e.spread(list(range(10)), 4) == [0, 3, 6, 9]
-    assert bench_e2e.spread([1, 2], 4) == [1, 2]
+    assert search.spread(list(range(10)), 4) == [0, 3, 6, 9]
+    assert search.spread([1, 2], 4) == [1, 2]
     result = {"colocated": {"steady_tokens_per_s": 10.0, "tokens_per_s": 5.0},
               "disaggregated": {"steady_tokens_per_s": 20.0, "tokens_per_s": 8.0},
               "shiftable": {"steady_tokens_per_s": 30.0, "tokens_per_s": 8.0}}

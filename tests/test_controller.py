@@ -375,3 +375,17 @@ def test_a_sequence_finished_in_the_same_reply_leaves_before_the_others_grow():
     assert finished == [2] and flow.records[2].generated == [6] * 8
     assert flow.preempted == [] and flow.records[1].replica == "r0"
     assert flow.sched.replicas["r0"].n_tok == 18 and not flow.sched.queue
+
+
+def test_the_flow_tells_an_engines_first_step_on_its_devices():
+    """Which Step is an engine's warm-up (kept out of the throughput fit) is the flow's to
+    say, per role and devices: the reporter is only told (issue 51)."""
+    from pivotrl_hpc.controller.flow import RoleFlow
+    from pivotrl_hpc.sched import Scheduler, ThroughputModel
+
+    flows = {role: RoleFlow(role, Scheduler(ThroughputModel(0.0, 0.01, 0.0, 0.0)),
+                            lambda rec, now: None, lambda *a: None)
+             for role in ("rollout", "reward")}
+    assert [flows["rollout"].first_step(d) for d in ((0, 1), (0, 1), (2,), (0, 1))] == [
+        True, False, True, False]
+    assert flows["reward"].first_step((0, 1))   # another role's engine on those devices

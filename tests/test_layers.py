@@ -78,8 +78,6 @@ KNOWN: dict[tuple[str, str], str] = {
     ("sim/profile.py", "pivotrl_hpc.engines.memory"):
         "the modeled KV budget reads the engines' memory model (not yet moved)",
     # Up a floor (issue 51 point 2).
-    ("reproduce/experiments.py", "pivotrl_hpc.cli.bench_e2e"): "issue 51 point 2",
-    ("reproduce/experiments.py", "pivotrl_hpc.cli.bench_planner"): "issue 51 point 2",
     ("config/load.py", "pivotrl_hpc.checkpoint.layout"): "issue 51 point 2",
     ("config/validate.py", "pivotrl_hpc.checkpoint.folders"): "issue 51 point 2",
     ("config/validate.py", "pivotrl_hpc.checkpoint.layout"): "issue 51 point 2",
@@ -92,7 +90,6 @@ KNOWN: dict[tuple[str, str], str] = {
     ("task/data.py", "pivotrl_hpc.assets.dataset"):
         "the synthetic math set is made in assets (init-models writes it) and read by the task",
     # Circles (issue 51 point 3): the import that closes each.
-    ("controller/report.py", "pivotrl_hpc.controller.loop"): "issue 51 point 3",
 }
 
 

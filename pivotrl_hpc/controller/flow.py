@@ -86,6 +86,16 @@ class RoleFlow:
         self.preempted: list[tuple[str, int]] = []  # (replica, sid) to abort on the engine
         self.releasing: dict[str, dict[int, list[int]]] = {}  # replica -> sid -> kept
         self._idle_steps: dict[int, int] = {}       # sid -> Steps of its owner without a token
+        self._stepped: set[tuple[int, ...]] = set()  # devices whose engine has run a Step
+
+    def first_step(self, devices: tuple[int, ...]) -> bool:
+        """Whether a Step answered on `devices` is the first this role's engine ran there in
+        the job: its wall time is mostly the engine's warm-up, so it does not feed the
+        throughput fit (and the report counts it apart)."""
+        if devices in self._stepped:
+            return False
+        self._stepped.add(devices)
+        return True
 
     def submit(self, rec: SeqRecord) -> None:
         if rec.sid in self.records:

@@ -286,7 +286,8 @@ class Controller:
             # what the Step cost beyond its engine iterations (the round trip through the
             # worker and its engine host, the loop's own turn), and a first Step's warm-up
             engine_s = sum(o.seconds for o in outputs)
-            first = self.report.step_timing(role, devices, now - sent, engine_s)
+            first = self.flows[role].first_step(devices)
+            self.report.step_timing(role, now - sent, engine_s, first)
             if not first:   # a first Step's warm-up is no decode iteration
                 self._observe(role, rid, load, sum(o.iterations for o in outputs), now - sent)
             new = self.flows[role].on_step(rid, outputs, now, epochs)

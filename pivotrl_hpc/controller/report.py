@@ -10,16 +10,35 @@ from __future__ import annotations
 import logging
 import math
 import statistics
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from pivotrl_hpc.controller.rl import Sample, lag
+from pivotrl_hpc.controller.clock import Clock
+from pivotrl_hpc.controller.rl import RLBook, Sample, lag
 from pivotrl_hpc.controller.samples import kept, sample_row
 from pivotrl_hpc.plan.snapshot import GEN_ROLES, TRAINING, TRAINING_ID
 
-if TYPE_CHECKING:
-    from pivotrl_hpc.controller.loop import Controller
-
 log = logging.getLogger(__name__)
+
+
+class RunView(Protocol):
+    """What the reporter reads of the run (the controller is one; tests hand stand-ins):
+    state to write down, never a decision to make: which Step feeds the throughput fit is
+    the flow's (RoleFlow.first_step), the reporter is told."""
+    cfg: Any             # LoopConfig: samples, steps, log_interval_s, prebuild, gpus
+    clock: Clock
+    book: RLBook
+    task: Any
+    policy: Any          # its name
+    models: dict[str, Any]   # role -> monitor.RoleModel
+    tau: Any             # policy.TauTracker
+    flows: dict[str, Any]    # role -> flow.RoleFlow
+    executor: Any        # its ShiftBook (replicas, shift counts and seconds)
+    training: Any        # shifts.TrainingUnit
+    devices: Any         # handles.Devices
+    step: int
+    published: int
+    preparing: set[int]
+    prebuilt_s: float | None
 
 
 class NullTrace:
@@ -34,7 +53,7 @@ class NullTrace:
 
 
 class Reporter:
-    def __init__(self, ctl: "Controller", trace) -> None:
+    def __init__(self, ctl: RunView, trace) -> None:
         self.ctl, self.trace = ctl, trace or NullTrace()
         self.next_tick = 0.0
         self._window = {r: 0 for r in (*GEN_ROLES, TRAINING)}   # tokens this interval
@@ -45,7 +64,6 @@ class Reporter:
         self.trained_tokens = 0
         self.first_token_t: float | None = None   # the first generated token: start-up over
         self._overhead: dict[str, tuple[float, int]] = {}   # role -> (seconds, Steps)
-        self._stepped: set[tuple[str, tuple[int, ...]]] = set()   # (role, devices) seen
         self._first: dict[str, list[float]] = {}   # role -> wall seconds of first Steps
         self.device_work_s = 0.0   # device-seconds in Step / TrainStep (the `work` rows)
         self.migrations = 0        # `migrate` rows: moves from one replica to another
@@ -92,17 +110,13 @@ class Reporter:
                           devices=len(devices), seconds=seconds,
                           engine_s=engine_s, tokens=tokens, first=int(first))
 
-    def step_timing(self, role: str, devices: tuple[int, ...], wall_s: float,
-                    engine_s: float) -> bool:
-        """Records one Step's timing; True when it was the first Step of this engine in
-        the job (its wall time is mostly warm-up)."""
+    def step_timing(self, role: str, wall_s: float, engine_s: float, first: bool) -> None:
+        """Records one Step's timing; `first`: the first Step of its engine in the job
+        (RoleFlow.first_step), whose wall time is mostly warm-up."""
         total, n = self._overhead.get(role, (0.0, 0))
         self._overhead[role] = (total + max(0.0, wall_s - engine_s), n + 1)
-        if (role, devices) in self._stepped:
-            return False
-        self._stepped.add((role, devices))
-        self._first.setdefault(role, []).append(wall_s)
-        return True
+        if first:
+            self._first.setdefault(role, []).append(wall_s)
 
     def fit(self, role: str, fit) -> None:
         if fit is None:

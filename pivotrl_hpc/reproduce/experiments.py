@@ -19,7 +19,6 @@ paper's (reproduce/paper.py).
 """
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -96,13 +95,15 @@ class Lab:
 
     # --- Figure 9 ------------------------------------------------------------------------
     def fig9(self, groups=paper.GROUPS) -> dict:
-        from pivotrl_hpc.cli.bench_e2e import candidates
+        from pivotrl_hpc.config import load_config
+        from pivotrl_hpc.reproduce.search import candidates
 
         search: list[tuple[str, str, list[str], Run]] = []
         for g in groups:
-            ns = argparse.Namespace(config=self.config(g), overrides=list(self.scale.overrides))
+            cfg = load_config(self.config(g), list(self.scale.overrides),
+                              check_files=False) if self.scale.search else None
             for p in FIG9_PARADIGMS:
-                options = candidates(ns, p, check_files=False) if self.scale.search else []
+                options = candidates(cfg, p) if cfg is not None else []
                 for extra in options or [[]]:
                     # Figure 3's and 10's group keeps its seed-0 traces' figures
                     search.append((g, p, extra, self.run(g, p, 0, extra,
@@ -308,7 +309,7 @@ class Lab:
 
     # --- Table 2 -------------------------------------------------------------------------
     def table2(self) -> dict:
-        from pivotrl_hpc.cli.bench_planner import measure
+        from pivotrl_hpc.reproduce.planner_time import measure
 
         rows = []
         for gpus in self.scale.table2_gpus:
