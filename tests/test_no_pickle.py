@@ -8,6 +8,7 @@ argued for here.
 """
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -22,6 +23,10 @@ PATTERNS = [re.compile(p) for p in (
 
 # (file, the line's code) -> why it is safe
 ALLOWED = {
+    ("cli/bench_codec.py",
+     "loads_us = best_us(lambda: pickle.loads(theirs), number, repeat)"):
+        "`pivotrl bench codec` times pickle as the baseline of the typed wire: it loads the "
+        "bytes it dumped itself a line before, in the same process",
     ("plan/parallel.py", "return pickle.loads(blob)"):
         "the planner's process pool: the blob is the simulator this process pickled, sent "
         "through the pool's private pipe to its own forked workers (no other account can "
@@ -63,3 +68,52 @@ def test_the_grep_catches_each_form(tmp_path):
     assert all(any(p.search(c) for p in PATTERNS) for c in caught)
     assert not any(p.search("torch.load(p, map_location=d, weights_only=True)")
                    for p in PATTERNS)
+
+
+# mpi4py's lower-case calls pickle what they send and unpickle what they receive: every TCP
+# listener of an MPI job accepts other accounts' connections, so the package moves its
+# messages as `protocol.mpi` bytes (issue 51). A lower-case call is one of these names on a
+# communicator-looking receiver, or with MPI's dest/source/root keywords.
+MPI_PICKLING = {"send", "recv", "isend", "irecv", "ssend", "issend", "bsend", "ibsend",
+                "sendrecv", "bcast", "gather", "allgather", "scatter", "alltoall", "reduce",
+                "allreduce", "scan", "exscan", "mprobe", "improbe", "neighbor_allgather",
+                "neighbor_alltoall"}
+MPI_KEYWORDS = {"dest", "source", "root"}
+COMM_NAME = re.compile(r"comm|world|agents|COMM_", re.I)
+
+
+def _mpi_pickling_calls(source: str, name: str) -> list[str]:
+    out = []
+    for node in ast.walk(ast.parse(source, name)):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr in MPI_PICKLING):
+            continue
+        receiver = ast.unparse(node.func.value)
+        if receiver == "mpi":   # protocol.mpi: the codec's own carriage
+            continue
+        if COMM_NAME.search(receiver) or {k.arg for k in node.keywords} & MPI_KEYWORDS:
+            out.append(f"{name}:{node.lineno}: {ast.unparse(node)[:100]}")
+    return out
+
+
+def test_no_mpi_call_of_the_package_pickles():
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        found += _mpi_pickling_calls(path.read_text(), str(path.relative_to(PACKAGE)))
+    assert not found, ("mpi4py's pickling lower-case calls (use protocol.mpi):\n"
+                       + "\n".join(found))
+
+
+def test_the_mpi_check_catches_each_form_and_spares_sockets():
+    caught = ["comm.send(x, dest=1, tag=2)", "self.comm.recv(source=0, tag=71)",
+              "world.bcast(v, root=0)", "self.world.allgather(h)", "agents.gather(x)",
+              "MPI.COMM_WORLD.allreduce(1)", "c.isend(cmd, dest=3)", "node_comm.irecv(source=1)",
+              "self.comm.improbe(source=0)", "x.scatter(parts, root=0)"]
+    for code in caught:
+        assert _mpi_pickling_calls(code, "f.py") == [f"f.py:1: {code}"], code
+    spared = ["sock.send(b'x')", "conn.recv(4096)", "self.recv(0.5)", "functools.reduce(f, xs)",
+              "t.gather(1, idx)", "comm.Send([b, MPI.BYTE], dest=1, tag=2)",
+              "world.Allgatherv(a, b)", "comm.Bcast(buf, root=0)", "comm.Improbe(source=0)",
+              "mpi.send(comm, WIRE, msg, dest=1, tag=71)", "mpi.bcast(world, PLAIN, v, root=0)"]
+    for code in spared:
+        assert _mpi_pickling_calls(code, "f.py") == [], code

@@ -1,4 +1,4 @@
-"""The typed format of the job's sockets (`runtime/wire.py`): what the forker and the host
+"""The typed format of the job's sockets (`protocol/wire.py`): what the forker and the host
 pipes carry instead of pickle (issue 35, N1)."""
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pivotrl_hpc.protocol.engine import (AbortedSequence, EngineOptions, EngineS
 from pivotrl_hpc.gps.layout import ParallelPlace
 from pivotrl_hpc.runtime.engine_host import HOST_WIRE, GPSRead, TPWorld
 from pivotrl_hpc.runtime.host_forker import FORKER_WIRE, ForkRequest
-from pivotrl_hpc.runtime.wire import WireError
+from pivotrl_hpc.protocol.wire import WireError
 
 
 class Run:

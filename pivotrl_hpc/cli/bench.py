@@ -25,6 +25,8 @@ BENCHES: dict[str, tuple[str, str, str | None]] = {
                   "Abort, Dispatch, re-prefill seconds a sequence (Table 3)", None),
     "sim": ("pivotrl_hpc.cli.bench_sim", "wall seconds of a simulated RL step at N devices",
             None),
+    "codec": ("pivotrl_hpc.cli.bench_codec",
+              "the controller/worker wire against pickle on a Step's reply (issue 51)", None),
 }
 
 

@@ -1,7 +1,7 @@
 """The live `WorkerHandle`: commands over MPI to a device worker rank, never blocking.
 
-Commands go out with `isend` on the worker protocol's tag (runtime.serve). Replies are
-picked up by one `MPIInbox` shared by every handle: one `Iprobe(ANY_SOURCE)` drains the
+Commands go out as `WORKER_WIRE` bytes (`Isend`) on the worker protocol's tag. Replies are
+picked up by one `MPIInbox` shared by every handle: one `Improbe(ANY_SOURCE)` drains the
 replies of all workers, at most once per `min_interval_s`. Probing each worker on every
 loop turn kept rank 0 at ~95 % of a core (Iprobe drives Open MPI's progress engine under
 its thread lock, which the GPS agent thread on the same rank contends for): CPU the capped
@@ -12,8 +12,8 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 
-from pivotrl_hpc.protocol.messages import Command, Reply
-from pivotrl_hpc.runtime.serve import TAG_COMMAND, TAG_REPLY
+from pivotrl_hpc.protocol import mpi
+from pivotrl_hpc.protocol.messages import TAG_COMMAND, TAG_REPLY, WORKER_WIRE, Command, Reply
 
 
 class MPIInbox:
@@ -31,9 +31,11 @@ class MPIInbox:
         from mpi4py import MPI
 
         status = MPI.Status()
-        while self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_REPLY, status=status):
-            src = status.Get_source()
-            self._boxes[src].append(self.comm.recv(source=src, tag=TAG_REPLY))
+        while True:
+            got, reply = mpi.try_recv(self.comm, WORKER_WIRE, MPI.ANY_SOURCE, TAG_REPLY, status)
+            if not got:
+                break
+            self._boxes[status.Get_source()].append(reply)
         self._last = time.monotonic()
 
 
@@ -44,7 +46,7 @@ class MPIWorkerHandle:
         self._sends: list = []
 
     def submit(self, cmd: Command) -> None:
-        self._sends.append(self.comm.isend(cmd, dest=self.rank, tag=TAG_COMMAND))
+        self._sends.append(mpi.isend(self.comm, WORKER_WIRE, cmd, self.rank, TAG_COMMAND))
 
     def poll(self) -> list[Reply]:
         out = self.inbox.take(self.rank)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from pivotrl_hpc.plan.policies import PLANNERS, make_policy
 from pivotrl_hpc.plan.types import AllocationPolicy
-from pivotrl_hpc.runtime.context import BUILD_PHASES
+from pivotrl_hpc.protocol.context import BUILD_PHASES
 
 if TYPE_CHECKING:  # the config package loads YAML: keep the loop importable without it
     from pivotrl_hpc.config.schema import Config

@@ -48,7 +48,8 @@ from pivotrl_hpc.gps.hf import hf_header, load_into
 from pivotrl_hpc.gps.segment import (SHM_DIR, check_memory, memory_available, segment_prefix,
                                      sweep)
 from pivotrl_hpc.gps.store import ModelStore
-from pivotrl_hpc.gps.transport import CTRL_TAG, make_transport
+from pivotrl_hpc.gps.transport import CTRL_TAG, PEER_WIRE, make_transport
+from pivotrl_hpc.protocol import mpi
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +137,7 @@ class NodeAgent(Transfers):
             self.transport = make_transport(self.cfg.transport, self.comm, self.index)
             log.info("GPS agent %s: %s transport", self.cfg.node, self.transport.name)
             mine = {m: self._expose(m, first[m]) for m in self.stores}
-            for node, infos in enumerate(self.comm.allgather(mine)):
+            for node, infos in enumerate(mpi.allgather(self.comm, PEER_WIRE, mine)):
                 for m, info in infos.items():
                     self.seg_info[(node, m, first[m])] = info
                     if node != self.index:
@@ -227,10 +228,11 @@ class NodeAgent(Transfers):
     def _poll_peers(self) -> bool:
         from mpi4py import MPI
         status, got = MPI.Status(), False
-        while self.comm.iprobe(source=MPI.ANY_SOURCE, tag=CTRL_TAG, status=status):
-            got = True
-            src = status.Get_source()
-            msg = self.comm.recv(source=src, tag=CTRL_TAG)
+        while True:
+            polled, msg = mpi.try_recv(self.comm, PEER_WIRE, MPI.ANY_SOURCE, CTRL_TAG, status)
+            if not polled:
+                break
+            got, src = True, status.Get_source()
             try:
                 self._handle_peer(src, msg)
             except ValueError:  # a report about a version this node already finished
@@ -239,9 +241,10 @@ class NodeAgent(Transfers):
         return got
 
     def _broadcast(self, msg: dict) -> None:
+        data = PEER_WIRE.encode(msg)
         for node in range(self.n_nodes):
             if node != self.index:
-                self.comm.send(msg, dest=node, tag=CTRL_TAG)
+                mpi.send_bytes(self.comm, data, node, CTRL_TAG)
 
     # ---- requests -------------------------------------------------------------------------
     def _handle_client(self, conn: Conn, msg: dict) -> None:

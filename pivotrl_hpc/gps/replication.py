@@ -29,7 +29,8 @@ from pivotrl_hpc.gps.plan import Range, Transfer, assign, chain, merge_ranges, r
 from pivotrl_hpc.gps.relay import Relay
 from pivotrl_hpc.gps.segment import RawMap
 from pivotrl_hpc.gps.store import ModelStore
-from pivotrl_hpc.gps.transport import CTRL_TAG
+from pivotrl_hpc.gps.transport import CTRL_TAG, PEER_WIRE
+from pivotrl_hpc.protocol import mpi
 
 log = logging.getLogger(__name__)
 
@@ -177,8 +178,9 @@ class Transfers:
         """Advance this node's pulls, tell the next nodes what it now holds; True when done."""
         got = w.relay.advance(time.monotonic())
         for node, ranges in w.relay.tell(got).items():
-            self.comm.send({"op": "holds", "model": w.model, "version": w.version,
-                            "attempt": w.attempt, "ranges": ranges}, dest=node, tag=CTRL_TAG)
+            mpi.send(self.comm, PEER_WIRE, {"op": "holds", "model": w.model,
+                                            "version": w.version, "attempt": w.attempt,
+                                            "ranges": ranges}, node, CTRL_TAG)
         return w.relay.done
 
     def _on_holds(self, src: int, msg: dict) -> None:

@@ -3,7 +3,8 @@
 Both are pull-based: the receiving agent fetches byte ranges of a peer's exposed buffer into a
 local buffer. NIXL READs are one-sided (the holder's CPU does nothing); the MPI fallback sends
 a small request on the agents' control channel and the holder answers with `Isend`s from its
-event loop. Agent metadata for NIXL is exchanged once with an MPI allgather.
+event loop. Agent metadata for NIXL is exchanged once with an MPI allgather. Control
+messages (plain dicts) cross MPI as `PEER_WIRE` JSON bytes, never pickled (issue 51).
 
 Set `UCX_MODULES=^ib,rdmacm` on machines without InfiniBand (every NIXL process segfaults at
 exit otherwise); `make_transport` sets it when unset. When NIXL cannot start, `make_transport`
@@ -25,10 +26,13 @@ from typing import Any
 import numpy as np
 
 from pivotrl_hpc import envs
+from pivotrl_hpc.protocol import mpi
+from pivotrl_hpc.protocol.wire import Codec
 
 log = logging.getLogger(__name__)
 
 CTRL_TAG = 71
+PEER_WIRE = Codec()   # the agents' control messages: JSON values (and bytes) only
 _DATA_TAG0 = 1000
 _MAX_MSG = 1 << 30  # MPI counts are ints: move big ranges in 1 GiB pieces
 
@@ -104,8 +108,8 @@ class MPITransport:
         pending = Pending(poll, sum(d.size for _, d in pieces))
         if first is not None:
             self._receiving[first] = (pending, reqs)
-        self.comm.send({"op": "mpi_get", "key": tuple(key), "asks": asks}, dest=peer,
-                       tag=CTRL_TAG)
+        mpi.send(self.comm, PEER_WIRE, {"op": "mpi_get", "key": tuple(key), "asks": asks},
+                 peer, CTRL_TAG)
         return pending
 
     def serve(self, src: int, msg: dict) -> None:
@@ -115,9 +119,9 @@ class MPITransport:
             self._nacks_left -= buf is not None
             why = "fault injected" if buf is not None else "not exposed here (retired?)"
             log.error("MPI data request from agent %d for %s refused: %s", src, msg["key"], why)
-            self.comm.send({"op": "mpi_nack", "first": msg["asks"][0][2] if msg["asks"] else None,
-                            "error": f"{msg['key']} refused by its holder: {why}"},
-                           dest=src, tag=CTRL_TAG)
+            mpi.send(self.comm, PEER_WIRE,
+                     {"op": "mpi_nack", "first": msg["asks"][0][2] if msg["asks"] else None,
+                      "error": f"{msg['key']} refused by its holder: {why}"}, src, CTRL_TAG)
             return
         for off, n, tag in msg["asks"]:
             self.bytes_served[src] = self.bytes_served.get(src, 0) + n
@@ -177,10 +181,10 @@ class NIXLTransport:
             err = ""
         except Exception as e:  # noqa: BLE001 - reported collectively below
             err = f"{type(e).__name__}: {e}"
-        errors = [x for x in comm.allgather(err) if x]
+        errors = [x for x in mpi.allgather(comm, PEER_WIRE, err) if x]
         if errors:  # every node agrees on the transport, or the allgathers would mismatch
             raise RuntimeError(errors[0])
-        metas = comm.allgather(self.agent.get_agent_metadata())
+        metas = mpi.allgather(comm, PEER_WIRE, self.agent.get_agent_metadata())
         self.peers = {}
         for i, meta in enumerate(metas):
             if i != comm.rank:

@@ -48,6 +48,8 @@ from pivotrl_hpc.launch.layout import (AGENT, CONTROLLER_RANK, LaunchError, Rank
                                        RankLayout, RunPaths, check_placement, host_name, job_id,
                                        port_base)
 from pivotrl_hpc.launch.stop import Interrupted, Stopper, wait_barrier, watch_launcher
+from pivotrl_hpc.protocol import mpi
+from pivotrl_hpc.protocol.wire import PLAIN
 
 log = logging.getLogger("pivotrl_hpc.launch")
 
@@ -166,11 +168,13 @@ class Rank:
         check_placement(self.layout, self.info.rank, os.environ)
         # the node forkers' names carry a token of the job's (issue 35: unguessable by
         # another account, which could otherwise bind a name first and take the job's env)
-        ports, self.forker_token = self.world.bcast(
-            (port_base(self.job, os.environ), secrets.token_hex(8)), root=CONTROLLER_RANK)
+        ports, self.forker_token = mpi.bcast(
+            self.world, PLAIN, (port_base(self.job, os.environ), secrets.token_hex(8)),
+            CONTROLLER_RANK)
         from pivotrl_hpc.launch.resume import resolve_everywhere
         self.resumed = resolve_everywhere(self.world, self.cfg, self.info.controller)
-        hosts = self.world.allgather(envs.SLURMD_NODENAME.raw() or host_name())
+        hosts = mpi.allgather(self.world, PLAIN,
+                              envs.SLURMD_NODENAME.raw() or host_name())
         self.layout = replace(self.layout, hosts=tuple(hosts))
         node_comm = self.world.Split(self.info.node, self.info.rank)
         agents = self.world.Split(0 if self.info.kind == AGENT else MPI.UNDEFINED, self.info.rank)

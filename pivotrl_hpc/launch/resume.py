@@ -15,6 +15,8 @@ from pathlib import Path
 from pivotrl_hpc.checkpoint.folders import open_folder, read_own, write_at
 from pivotrl_hpc.checkpoint.layout import REQUEST_FILE, latest, root_for, segments
 from pivotrl_hpc.launch.layout import CONTROLLER_RANK, LaunchError
+from pivotrl_hpc.protocol import mpi
+from pivotrl_hpc.protocol.wire import PLAIN
 
 log = logging.getLogger("pivotrl_hpc.launch")
 
@@ -32,7 +34,7 @@ def resolve_everywhere(world, cfg, controller: bool) -> dict | None:
             got = {"resumed": prepare(cfg)}
         except CheckpointError as e:
             got = {"error": str(e)}
-    got = world.bcast(got, root=CONTROLLER_RANK)
+    got = mpi.bcast(world, PLAIN, got, CONTROLLER_RANK)
     if "error" in got:
         raise LaunchError(f"resume: {got['error']}")
     resumed = got["resumed"]

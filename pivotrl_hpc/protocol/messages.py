@@ -1,7 +1,7 @@
 """Commands the controller sends a device worker, and the worker's replies.
 
-Plain picklable dataclasses: they travel over MPI (`comm.send`) unchanged, and the trace
-records them. One command, one reply; a failed command still gets a reply.
+Plain dataclasses: they cross MPI as `WORKER_WIRE` bytes (`protocol.mpi`), never pickled,
+and the trace records them. One command, one reply; a failed command still gets a reply.
 """
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from pivotrl_hpc.protocol.engine import Sampling
+from pivotrl_hpc.protocol.engine import (AbortedSequence, EngineState, FinishedSequence,
+                                         RunningSequence, Sampling, SeqProgress, StepOutput)
+from pivotrl_hpc.protocol.wire import Codec
 
 
 class RoleKind(str, Enum):
@@ -142,3 +144,17 @@ class Reply:
     error: str | None = None
     seq_ids: tuple[str, ...] = ()     # sequences the worker held when the command failed
     device: int = -1                  # set by the controller's side on arrival
+
+
+# MPI tags of the worker protocol: other traffic on the communicator (GPS, the trainer's
+# collectives) never mixes in.
+TAG_COMMAND = 71
+TAG_REPLY = 72
+
+# Everything a command or a reply carries between the controller and a worker over MPI: a
+# result holds JSON values and these (a Step's StepOutputs, a shift down's AbortedSequences,
+# QueryState's EngineState).
+WORKER_WIRE = Codec(ShiftUp, ShiftDown, Prepare, SeqRequest, AddSequences, Step, Abort,
+                    TrainBatch, Reload, TrainStep, WaitWrite, SaveCheckpoint, QueryState,
+                    Shutdown, Reply, Sampling, SeqProgress, FinishedSequence, StepOutput,
+                    AbortedSequence, RunningSequence, EngineState)

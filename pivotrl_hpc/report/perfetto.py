@@ -2,7 +2,7 @@
 open: one track per device with its role over time, shifts as slices, their phases nested
 inside in the order they ran, and one counter track per role with its tokens/s.
 
-Phase names come from the worker (`runtime/context.py`): `<context kind>.<phase>`, and a group
+Phase names come from the worker (`protocol/context.py`): `<context kind>.<phase>`, and a group
 `X.total` with parts `X.<part>` (e.g. `offloadable.reload.total` with `...reload.grads`). Top
 phases are laid end to end from the shift's start; a group's parts inside its slice.
 """

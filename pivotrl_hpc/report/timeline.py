@@ -129,7 +129,7 @@ def low_fractions(ts: dict[str, np.ndarray], steps: dict[str, np.ndarray]
 
 def group_of(phase: str, phases) -> str | None:
     """The group `X` whose `X.total` is among `phases` and of which `phase` is a part
-    (`X.<part>`), else None. Groups are the worker's nested phases (runtime/context.py)."""
+    (`X.<part>`), else None. Groups are the worker's nested phases (protocol/context.py)."""
     for g in phases:
         if g.endswith(".total"):
             name = g[:-len(".total")]

@@ -38,7 +38,7 @@ from pivotrl_hpc.runtime import host_forker
 # The host's vocabulary lives below both ends of the pipe; re-exported for callers.
 from pivotrl_hpc.runtime.host_wire import (HOST_WIRE, GPSRead, TPWorld,  # noqa: F401
                                            remove_shm, shm_prefix, world_free)
-from pivotrl_hpc.runtime.wire import WireError
+from pivotrl_hpc.protocol.wire import WireError
 
 log = logging.getLogger(__name__)
 

@@ -38,7 +38,7 @@ def preload() -> float:
 
 def run(conn: Connection, worker_pid: int, name: str, env: dict[str, str]) -> None:
     """The host's life, in a process forked by the node's forker (`host_forker`)."""
-    from pivotrl_hpc.runtime.wire import peer
+    from pivotrl_hpc.runtime.peer import peer
 
     creator = peer(conn.fileno())   # the forker checked who asked; this checks the pipe
     if (creator.pid, creator.uid) != (worker_pid, os.getuid()):

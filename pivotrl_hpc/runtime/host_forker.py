@@ -50,7 +50,8 @@ import time
 from dataclasses import dataclass
 
 from pivotrl_hpc import envs
-from pivotrl_hpc.runtime.wire import Codec, peer
+from pivotrl_hpc.protocol.wire import Codec
+from pivotrl_hpc.runtime.peer import peer
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,8 @@ import time
 from pivotrl_hpc.runtime.host_forker import (FORK, FORKER_WIRE, MAX_REQUEST, ORPHAN_S, PID,
                                              REQUEST_LEN, SESSION, ForkRequest, readable,
                                              recv_exact)
-from pivotrl_hpc.runtime.wire import WireError, peer
+from pivotrl_hpc.protocol.wire import WireError
+from pivotrl_hpc.runtime.peer import peer
 
 log = logging.getLogger("pivotrl_hpc.runtime.host_forker")
 

@@ -13,7 +13,7 @@ from pivotrl_hpc.protocol.engine import (AbortedSequence, EngineOptions, EngineS
                                          FinishedSequence, RunningSequence, Sampling, SeqProgress,
                                          StepOutput)
 from pivotrl_hpc.gps.layout import ParallelPlace
-from pivotrl_hpc.runtime.wire import Codec
+from pivotrl_hpc.protocol.wire import Codec
 
 # A worker's training world, an MPI rank's identity: never inherited by a host.
 _WORLD_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",

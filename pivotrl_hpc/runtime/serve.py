@@ -1,33 +1,44 @@
 """The worker's command loop over MPI, and the controller's handle on one worker.
 
-Commands and replies are pickled dataclasses (`comm.send` / `comm.recv`) on a dedicated tag,
-so other traffic on the communicator (GPS, the trainer's collectives) never mixes in.
+Commands and replies cross MPI as typed bytes (`protocol.messages.WORKER_WIRE`, never
+pickle) on the worker protocol's tags.
 """
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
 
-from pivotrl_hpc.protocol.messages import Command, Reply, Shutdown
+from pivotrl_hpc.protocol import mpi
+from pivotrl_hpc.protocol.messages import (TAG_COMMAND, TAG_REPLY, WORKER_WIRE, Command,
+                                           Reply, Shutdown)
+from pivotrl_hpc.protocol.wire import WireError
 from pivotrl_hpc.runtime.worker import DeviceWorker
 
 log = logging.getLogger(__name__)
-
-TAG_COMMAND = 71
-TAG_REPLY = 72
 
 
 def serve(comm, worker: DeviceWorker, controller: int = 0) -> int:
     """Answer commands from `controller` until Shutdown; return the number handled."""
     handled = 0
     while True:
-        cmd = comm.recv(source=controller, tag=TAG_COMMAND)
-        reply = worker.handle(cmd)
-        comm.send(reply, dest=controller, tag=TAG_REPLY)
+        cmd = mpi.recv(comm, WORKER_WIRE, controller, TAG_COMMAND)
+        send_reply(comm, worker.handle(cmd), controller)
         handled += 1
         if isinstance(cmd, Shutdown):
             log.info("worker rank %d: shutdown after %d commands", comm.Get_rank(), handled)
             return handled
+
+
+def send_reply(comm, reply: Reply, controller: int) -> None:
+    """A result the wire cannot carry still gets its reply: a failed one that says why."""
+    try:
+        data = WORKER_WIRE.encode(reply)
+    except WireError as e:
+        log.error("worker: the reply to %s cannot be sent: %s", reply.command, e)
+        data = WORKER_WIRE.encode(Reply(reply.command, False, reply.role, reply.replica,
+                                        error=f"reply not sendable: {e}",
+                                        seq_ids=reply.seq_ids))
+    mpi.send_bytes(comm, data, controller, TAG_REPLY)
 
 
 @dataclass
@@ -39,10 +50,10 @@ class WorkerClient:
     rank: int
 
     def submit(self, cmd: Command):
-        return self.comm.isend(cmd, dest=self.rank, tag=TAG_COMMAND)
+        return mpi.isend(self.comm, WORKER_WIRE, cmd, self.rank, TAG_COMMAND)
 
     def result(self) -> Reply:
-        return self.comm.recv(source=self.rank, tag=TAG_REPLY)
+        return mpi.recv(self.comm, WORKER_WIRE, self.rank, TAG_REPLY)
 
     def call(self, cmd: Command) -> Reply:
         self.submit(cmd).wait()

@@ -16,12 +16,12 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from pivotrl_hpc.engines.host import peak_rss_bytes
-from pivotrl_hpc.runtime import checkpoint
-from pivotrl_hpc.runtime.context import ContextKind, phase
+from pivotrl_hpc.protocol.context import ContextKind, phase
 from pivotrl_hpc.protocol.messages import (ROLE_MODEL, Abort, AddSequences, Command, QueryState,
                                            Reload, Reply, RoleKind, Prepare, SaveCheckpoint,
                                            ShiftDown, ShiftUp, Shutdown, Step, TrainBatch,
                                            TrainStep, WaitWrite)
+from pivotrl_hpc.runtime import checkpoint
 from pivotrl_hpc.runtime.worker_engines import WorkerEngines, engine_phases
 # What a worker is made of sits below both the worker and its engines; re-exported.
 from pivotrl_hpc.runtime.worker_spec import ParameterStore, RoleError, WorkerSpec  # noqa: F401

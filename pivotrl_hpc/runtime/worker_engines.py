@@ -14,7 +14,7 @@ import time
 from typing import TYPE_CHECKING, Any, Mapping
 
 from pivotrl_hpc.gps.layout import ParallelPlace
-from pivotrl_hpc.runtime.context import ContextKind, phase
+from pivotrl_hpc.protocol.context import ContextKind, phase
 
 if TYPE_CHECKING:
     from pivotrl_hpc.runtime.worker_spec import ParameterStore, WorkerSpec

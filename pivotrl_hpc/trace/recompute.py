@@ -50,7 +50,7 @@ def tau_shift(shifts: list[dict], tau0: dict[str, float], n0: dict[str, int]
     """`tau_shift`: per role the running mean of its shift seconds, from the `start` row's
     values and counts (the configured value counts as one prior observation), shifts that
     built an engine left out."""
-    from pivotrl_hpc.runtime.context import BUILD_PHASES
+    from pivotrl_hpc.protocol.context import BUILD_PHASES
 
     tau, n = dict(tau0), Counter(n0)
     for r in shifts:

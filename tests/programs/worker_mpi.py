@@ -15,7 +15,7 @@ from mpi4py import MPI
 
 from pivotrl_hpc.protocol.engine import EngineOptions, Sampling
 from pivotrl_hpc.protocol.messages import (AddSequences, RoleKind, SeqRequest, ShiftDown, ShiftUp,
-                                           Shutdown, Step, TrainStep, WaitWrite)
+                                           Shutdown, Step, TrainBatch, TrainStep, WaitWrite)
 from pivotrl_hpc.runtime.serve import WorkerClient, serve
 
 GREEDY = Sampling(temperature=0.0, ignore_eos=True)
@@ -58,13 +58,12 @@ def generate(w: WorkerClient, prefix: str, n_new: int = 8) -> dict[str, tuple]:
     return dict(sorted(finished.items()))
 
 
-def make_batch(done: dict):
-    from pivotrl_hpc.engines.megatron.batch import RolloutBatch
-
+def make_batch(done: dict) -> TrainBatch:
+    """Plain lists, as the controller sends them (a RolloutBatch is no message of the wire)."""
     seqs = list(done.values())
-    return RolloutBatch.from_sequences([[1, 20 + i, 5] for i in range(3)],
-                                       [t for t, _ in seqs], [lp for _, lp in seqs],
-                                       [1.0, 0.0, 0.5], [0, 0, 0])
+    return TrainBatch(tuple((1, 20 + i, 5) for i in range(3)),
+                      tuple(tuple(t) for t, _ in seqs), tuple(tuple(lp) for _, lp in seqs),
+                      (1.0, 0.0, 0.5), (0, 0, 0))
 
 
 def controller(comm, models: str, out: str) -> None:
