@@ -162,8 +162,14 @@ def test_pivotrl_simulate_prints_every_paradigm_and_the_speedups(tiny_models, tm
     assert out["shiftable"]["split"][0].startswith("roles.train_devices=")   # searched
     assert set(out["speedup_vs"]) == {"colocated", "disaggregated", "rr_colocated",
                                       "rr_colocated_pooled"}
+    # Figure 9's protocol: generated tokens; 3 steps are too few for the steady window
+    # (sim/measure.py), so they are counted from the start to the last step's end
     assert out["speedup_vs"]["colocated"] == pytest.approx(
+        out["shiftable"]["processed_tokens_per_s"] / out["colocated"]["processed_tokens_per_s"])
+    assert out["trained_speedup_vs"]["colocated"] == pytest.approx(
         out["shiftable"]["tokens_per_s"] / out["colocated"]["tokens_per_s"])
+    assert out["shiftable"]["window"]["first_step"] == 0
+    assert out["shiftable"]["window"]["last_step"] == 3
     assert out["constants"]["source"] == "config" and "paper_speedup_vs" not in out
     with open_trace(str(traces["shiftable"])) as t:
         assert t.meta["simulated"] is True and t.summary["steps"] == 3

@@ -9,9 +9,13 @@ default for a CPU config) or, with `--from-trace`, from what a live run measured
 `all`: the paper's four and rr_colocated_pooled (rr_colocated's stronger variant, beside it).
 Every paradigm but colocated gets its best training width (and disaggregated
 its rollout/reward split) from the same search as `pivotrl bench e2e` (`--no-search`: the
-config's). Prints one JSON object shaped like bench e2e's:
-{"<paradigm>": {"tokens_per_s", "seconds", "shifts", "idle_fraction", "split"},
- "speedup_vs": {...}, "paper_speedup_vs" (a paper group's published ratios),
+config's); a paper group runs its config's (Table 4's) splits for `sim/measure.RUN_STEPS`
+steps (an `rl.steps=` override wins), as `pivotrl reproduce` and its calibration do.
+Prints one JSON object shaped like bench e2e's:
+{"<paradigm>": {"processed_tokens_per_s" (Figure 9's protocol, sim/measure.py: generated
+ tokens over the steady window), "window", "tokens_per_s" (trained tokens over the run),
+ "seconds", "shifts", "idle_fraction", "split"}, "speedup_vs" (over
+ processed_tokens_per_s), "trained_speedup_vs", "paper_speedup_vs" (a paper group's),
  "constants": {...}}; `--out DIR` keeps every run's trace. A profile's constants are derived
 per run, from that run's training width (colocated: every device); "constants" shows the
 base config's.
@@ -26,9 +30,9 @@ from pathlib import Path
 
 from pivotrl_hpc.cli.bench_e2e import PARADIGMS, candidates, speedups, unsearched
 
-SHOWN = ("tokens_per_s", "steady_tokens_per_s", "seconds", "shifts", "idle_fraction",
-         "shifts_by_kind", "max_lag", "staleness_held_s", "train_step_s",
-         "train_s_per_token")
+SHOWN = ("processed_tokens_per_s", "tokens_per_s", "steady_tokens_per_s", "seconds",
+         "shifts", "idle_fraction", "shifts_by_kind", "max_lag", "staleness_held_s",
+         "train_step_s", "train_s_per_token", "window")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -67,6 +71,7 @@ def _load(args, overrides: list[str]):
 
 
 def _one(args, paradigm: str, extra: list[str], tag: str) -> dict:
+    from pivotrl_hpc.sim.measure import processed_tokens_per_s, window
     from pivotrl_hpc.sim.run import simulate
 
     cfg, _ = _load(args, [*args.overrides, f"paradigm.name={paradigm}", *extra])
@@ -75,6 +80,10 @@ def _one(args, paradigm: str, extra: list[str], tag: str) -> dict:
     # each run's own constants: a profile's training seconds and shifts follow the run's
     # training width (colocated: every device), not the base config's
     s = simulate(cfg, _constants(args, cfg), trace)
+    # Figure 9's protocol, as `pivotrl reproduce` measures (sim/measure.py)
+    w = window(s.get("step_marks") or [])
+    s["processed_tokens_per_s"] = processed_tokens_per_s(s)
+    s["window"] = w.to_dict() if w is not None else None
     print(f"simulate: {paradigm} {' '.join(extra)} -> {s['tokens_per_s']:.2f} tokens/s "
           f"({time.monotonic() - t0:.1f} s wall)", file=sys.stderr)
     return s
@@ -115,6 +124,10 @@ def _main(args: argparse.Namespace) -> int:
     from pivotrl_hpc.config import ConfigError
     from pivotrl_hpc.plan.policies import POLICIES
 
+    paper = paper_speedups(args.config)
+    if paper:   # a paper group runs the protocol's steps (sim/measure.py), as reproduce
+        from pivotrl_hpc.sim.measure import RUN_STEPS
+        args.overrides = [f"rl.steps={RUN_STEPS}", *args.overrides]
     try:
         cfg, stood_in = _load(args, args.overrides)
     except ConfigError as e:
@@ -132,17 +145,20 @@ def _main(args: argparse.Namespace) -> int:
     result: dict = {}
     for paradigm in names:
         best, best_run = [], None
-        options = candidates(bench_args, paradigm, check_files=False)
-        if args.no_search:
+        # a paper group: Table 4's splits in its config, as reproduce and its calibration
+        options = [] if paper else candidates(bench_args, paradigm, check_files=False)
+        if args.no_search and not paper:
             options = [unsearched(bench_args, paradigm, options, check_files=False)]
         for extra in options or [[]]:
             tag = "-".join(x.rsplit("=", 1)[1] for x in extra) or "run"
             run = _one(args, paradigm, extra, tag)
-            if best_run is None or run["tokens_per_s"] > best_run["tokens_per_s"]:
+            if best_run is None or (run["processed_tokens_per_s"]
+                                    > best_run["processed_tokens_per_s"]):
                 best, best_run = extra, run
         result[paradigm] = {k: best_run.get(k) for k in SHOWN} | {"split": best}
-    result["speedup_vs"] = speedups(result, "tokens_per_s")
-    paper = paper_speedups(args.config)
+    # Figure 9's ratios: generated tokens over the protocol's window (sim/measure.py)
+    result["speedup_vs"] = speedups(result, "processed_tokens_per_s")
+    result["trained_speedup_vs"] = speedups(result, "tokens_per_s")
     if paper:   # a paper group: its published ratios beside ours (reproduce/paper.py)
         result["paper_speedup_vs"] = paper
     result["constants"] = constants.to_dict()

@@ -12,9 +12,8 @@ from typing import Any, Literal, get_args, get_origin
 
 import yaml
 
-from pivotrl_hpc.checkpoint.layout import names_a_path
 from pivotrl_hpc.config.errors import ConfigError
-from pivotrl_hpc.config.schema import Config
+from pivotrl_hpc.config.schema import Config, names_a_path
 
 log = logging.getLogger(__name__)
 
@@ -187,10 +186,11 @@ def _included(data: dict, path: Path, use: Sections) -> tuple[dict, dict[str, st
     own keys win over every included file's (a later include over an earlier one), and a
     key set in both with another value is logged; the command line's overrides come last.
     A paper config includes its calibration this way (configs/calibration/,
-    docs/calibration.md). An included file's top-level `record` is its documentation (the
-    fit, its residuals, the sources) and is not loaded. `use`: True every section of the
-    included files, False none (the include dropped), a tuple only those top-level
-    sections (`reproduce --hardware datasheet` keeps the calibration's assumptions).
+    docs/calibration.md). An included file's top-level `record` and `implied` are its
+    documentation (the fit, its residuals, the sources, its efficiencies), not loaded.
+    `use`: True every section of the included files, False none (the include dropped), a
+    tuple only those top-level sections (`reproduce --hardware datasheet` keeps the
+    calibration's assumptions).
     Returns the mapping and where each of its values comes from (dotted key -> file)."""
     names = data.pop("include", None)
     origins = dict.fromkeys(leaves(data), str(path))
@@ -209,6 +209,7 @@ def _included(data: dict, path: Path, use: Sections) -> tuple[dict, dict[str, st
                               f"reproduce calibrate`)")
         extra = _read(inc)
         extra.pop("record", None)
+        extra.pop("implied", None)   # a calibration's efficiencies: documentation too
         if "include" in extra:
             raise ConfigError("include", f"{inc} includes further files; one level only")
         if use is not True:

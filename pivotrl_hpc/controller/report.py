@@ -69,6 +69,9 @@ class Reporter:
         self.migrations = 0        # `migrate` rows: moves from one replica to another
         self._admitted_at = -1     # the version the last admission was checked against
         self._step_rows: dict[int, int] = {}   # step -> its `steps` row (val_accuracy)
+        # generated tokens (responses + judgements) by each step's end: sim/measure.py's
+        # steady window counts the tokens between two step ends
+        self.generated_by_step: list[int] = []
 
     # --- rows --------------------------------------------------------------------------
     def sequence(self, event: str, rec, replica: str, tokens: int | None = None) -> None:
@@ -163,6 +166,7 @@ class Reporter:
             "loss": float(metrics.get("loss", math.nan)), "max_lag": max(lags),
             "seconds": seconds}
         self.steps.append(row)
+        self.generated_by_step.append(sum(self.ctl.flows[r].tokens_total for r in GEN_ROLES))
         for s in samples:
             self.trace.append("sequences", t=row["t"], seq_id=str(s.sid), event="train",
                               role=TRAINING, replica=TRAINING_ID, tokens=len(s.response),
@@ -276,6 +280,8 @@ class Reporter:
             "trained_tokens": self.trained_tokens,
             "role_tokens_per_s": {r: ctl.flows[r].tokens_total / end if end > 0 else 0.0
                                   for r in GEN_ROLES},
+            # [t, generated tokens so far] at each step's end (sim/measure.py)
+            "step_marks": [[s["t"], g] for s, g in zip(self.steps, self.generated_by_step)],
             "shifts": sum(book.count.values()), "shifts_by_kind": dict(book.count),
             "shift_seconds": shifts, "tau_shift": dict(ctl.tau.tau),
             "reward_per_step": [{"step": s["step"], "t": s["t"], "reward": s["reward_mean"]}

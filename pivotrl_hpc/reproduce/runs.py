@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 
 KEPT = ("tokens_per_s", "steady_tokens_per_s", "seconds", "shifts", "steps",
         "idle_fraction", "trained_tokens", "role_tokens_per_s", "staleness_held_s",
-        "train_step_s", "shifts_by_kind", "max_lag")
+        "train_step_s", "shifts_by_kind", "max_lag", "step_marks")
 HARDWARE = ("calibrated", "datasheet")
 
 
@@ -55,9 +55,10 @@ class Outcome:
     figures: dict = field(default_factory=dict)
 
 
-CACHE_VERSION = 4   # bump when what a run's figures mean changes (2: KV preemption, 55ef0ff;
+CACHE_VERSION = 5   # bump when what a run's figures mean changes (2: KV preemption, 55ef0ff;
 #                     3: issue 49, KV from the device, MoE experts touched, training comm;
-#                     4: issue 49, rr_colocated per batch, GPS Write, Reload and planning)
+#                     4: issue 49, rr_colocated per batch, GPS Write, Reload and planning;
+#                     5: issue 50, processed tokens over the steady window, step_marks)
 
 
 def run_one(run: Run, cache: str | None = None) -> Outcome:
@@ -89,6 +90,9 @@ def run_one(run: Run, cache: str | None = None) -> Outcome:
             return Outcome(run, {"error": f"{type(e).__name__}: {e}"})
         figures = {k: summary.get(k) for k in KEPT}
         figures["processed_tokens_per_s"] = processed(summary)
+        # the whole run's (start-up, fill and drain included), beside the protocol's
+        figures["whole_run_tokens_per_s"] = sum((summary.get("role_tokens_per_s")
+                                                 or {}).values())
         figures["code"] = code()
         if trace is not None:
             figures["low_fraction"] = low_fractions(trace)
@@ -179,10 +183,12 @@ def _entry(cache: str | None, cfg, constants, fractions: bool,
 
 def processed(summary: dict) -> float:
     """Figure 9's "total tokens processed" a second as this project counts it: the tokens
-    the rollout and the reward generate (responses and judgements), over the run's seconds;
-    the throughput of the two roles the paper's Equation 1 and Figure 10 measure
-    (docs/calibration.md has why, and the arithmetic on H20s)."""
-    return sum((summary.get("role_tokens_per_s") or {}).values())
+    the rollout and the reward generate (responses and judgements) over the steady window
+    of the run (sim/measure.py: the same protocol for every paradigm and for `pivotrl
+    simulate`); docs/calibration.md has why these tokens, and the window's traces."""
+    from pivotrl_hpc.sim.measure import processed_tokens_per_s
+
+    return processed_tokens_per_s(summary)
 
 
 def low_fractions(trace: Path) -> dict[str, float | None]:
