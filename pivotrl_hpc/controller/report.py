@@ -92,7 +92,8 @@ class Reporter:
         summary's running figures (tau_shift, staleness_held_s) continue."""
         ctl = self.ctl
         self.trace.append("start", t=ctl.clock.now(), step=ctl.step, version=ctl.published,
-                          staleness=ctl.book.staleness, held_s=ctl.book.held_s, unparsed=ctl.book.unparsed,
+                          staleness=ctl.book.staleness, held_s=ctl.book.held_s,
+                          unparsed=ctl.book.unparsed,
                           tau=dict(ctl.tau.tau), tau_counts=dict(ctl.tau.counts))
 
     def admission(self, now: float, version: int, samples: int, held_s: float) -> None:
