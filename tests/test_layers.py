@@ -78,7 +78,6 @@ KNOWN: dict[tuple[str, str], str] = {
     ("sim/profile.py", "pivotrl_hpc.engines.memory"):
         "the modeled KV budget reads the engines' memory model (not yet moved)",
     # Up a floor (issue 51 point 2).
-    ("config/load.py", "pivotrl_hpc.checkpoint.layout"): "issue 51 point 2",
     ("config/validate.py", "pivotrl_hpc.checkpoint.folders"): "issue 51 point 2",
     ("config/validate.py", "pivotrl_hpc.checkpoint.layout"): "issue 51 point 2",
     ("config/validate.py", "pivotrl_hpc.checkpoint.state"): "issue 51 point 2",
@@ -86,7 +85,6 @@ KNOWN: dict[tuple[str, str], str] = {
     ("config/validate.py", "pivotrl_hpc.task.errors"): "issue 51 point 2",
     ("config/validate.py", "pivotrl_hpc.task.judge"): "issue 51 point 2",
     ("config/validate.py", "pivotrl_hpc.task.task"): "issue 51 point 2",
-    ("config/run_checks.py", "pivotrl_hpc.trace.loggers"): "issue 51 point 2",
     ("task/data.py", "pivotrl_hpc.assets.dataset"):
         "the synthetic math set is made in assets (init-models writes it) and read by the task",
     # Circles (issue 51 point 3): the import that closes each.

@@ -25,6 +25,8 @@ import stat
 from pathlib import Path
 from typing import Any
 
+from pivotrl_hpc.config.schema import names_a_path
+
 MARK = "COMPLETE"
 STATE = "state.json"
 POLICY = "policy"
@@ -150,14 +152,6 @@ def commit(tmp: Path, keep: int) -> Path:
         if stale != tmp:
             shutil.rmtree(stale, ignore_errors=True)
     return final
-
-
-KEYWORDS = ("auto", "false", "")   # resume values that name no checkpoint
-
-
-def names_a_path(resume: bool | str) -> bool:
-    """Whether `resume` names a checkpoint (a path), rather than auto / false / afresh."""
-    return isinstance(resume, str) and resume not in KEYWORDS
 
 
 def resolve(resume: bool | str, trace: str | os.PathLike) -> Path | None:

@@ -7,14 +7,12 @@ import logging
 from pathlib import Path
 
 from pivotrl_hpc.config.errors import ConfigError
-from pivotrl_hpc.config.schema import Config
+from pivotrl_hpc.config.schema import LOGGERS, Config
 
 log = logging.getLogger(__name__)
 
 
 def trace_settings(cfg: Config) -> None:
-    from pivotrl_hpc.trace.loggers import LOGGERS
-
     t = cfg.trace
     for i, name in enumerate(t.loggers):
         if name not in LOGGERS:

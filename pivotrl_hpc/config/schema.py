@@ -257,6 +257,9 @@ class RewardConfig:
     weights: RewardWeights = field(default_factory=RewardWeights)
 
 
+LOGGERS = ("console", "tensorboard", "wandb")   # trace.loggers' choices (trace/loggers.py)
+
+
 @dataclass
 class TraceConfig:
     path: str = "out/trace.h5"
@@ -266,13 +269,21 @@ class TraceConfig:
     # Where step metrics go besides the trace (veRL's trainer.logger): console (the log),
     # tensorboard (as `tensorboard: true`), wandb (the optional extra; WANDB_MODE=offline
     # keeps it off the network). docs/trace.md maps the names to veRL's.
-    loggers: list[str] = field(default_factory=lambda: ["console"])
+    loggers: list[str] = field(default_factory=lambda: ["console"])   # of LOGGERS
     # The texts of trained and evaluated samples kept in the trace's `samples` table
     # (`pivotrl trace samples RUN`): "all", "none", or N per step (and per evaluation)
     samples: int | str = 4
     # the run folder (the trace's, its .logs and .checkpoints) may be group-writable: an
     # explicit opt-in for a folder a group shares on purpose (docs/security.md, issue 46)
     group_shared: bool = False
+
+
+RESUME_KEYWORDS = ("auto", "false", "")   # resume values that name no checkpoint
+
+
+def names_a_path(resume: bool | str) -> bool:
+    """Whether `resume` names a checkpoint (a path), rather than auto / false / afresh."""
+    return isinstance(resume, str) and resume not in RESUME_KEYWORDS
 
 
 @dataclass

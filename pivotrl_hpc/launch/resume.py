@@ -48,7 +48,7 @@ def resolve_everywhere(world, cfg, controller: bool) -> dict | None:
 def absolute_resume(overrides: Sequence[str], base: Path) -> list[str]:
     """`resume=PATH` relative to `base` (the submit directory), as a user means it; the
     config loader would take it from the config's folder, as it does the config's paths."""
-    from pivotrl_hpc.checkpoint.layout import names_a_path
+    from pivotrl_hpc.config.schema import names_a_path
 
     out = []
     for o in overrides:
@@ -64,7 +64,8 @@ def continue_in(resume: bool | str) -> Path | None:
     """The trace of the run a job named by `resume=PATH` continues (`pivotrl resume`,
     `sbatch ... resume=runs/NAME-ID`): that checkpoint's run folder, not a new one, so the
     run's trace gets its next segment beside the others. None: `resume` names no path."""
-    from pivotrl_hpc.checkpoint.layout import CheckpointError, find, names_a_path
+    from pivotrl_hpc.checkpoint.layout import CheckpointError, find
+    from pivotrl_hpc.config.schema import names_a_path
 
     if not names_a_path(resume):
         return None

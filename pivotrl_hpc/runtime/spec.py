@@ -84,7 +84,7 @@ def worker_spec(cfg: Any, device: int, job: str, node: str, port_base: int):
 def resumed_from(cfg: Any) -> str:
     """The checkpoint folder this job resumes from, once the launch resolved `resume` to
     one (launch.entry); "" for a fresh start or an unresolved setting."""
-    from pivotrl_hpc.checkpoint.layout import names_a_path
+    from pivotrl_hpc.config.schema import names_a_path
 
     r = getattr(cfg, "resume", "")
     return r if names_a_path(r) else ""

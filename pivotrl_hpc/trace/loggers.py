@@ -24,7 +24,6 @@ from pivotrl_hpc import envs
 
 log = logging.getLogger(__name__)
 
-LOGGERS = ("console", "tensorboard", "wandb")
 
 # steps column -> veRL's name for the same number (verl/trainer/ppo/metric_utils.py)
 VERL_NAMES = {
