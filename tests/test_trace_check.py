@@ -89,7 +89,7 @@ def _migrate_from_the_queue(rows, summary):   # the old label of a shift-up disp
 def _abort_after_two_steps(rows, summary):
     """The source's abort comes after it answered two more Steps."""
     seqs = rows["sequences"]
-    for i, r in enumerate(seqs):
+    for r in seqs:
         if r["event"] == "abort":
             later = [w["t"] for w in rows["work"] if w["replica"] == r["replica"]
                      and w["t"] > r["t"]]

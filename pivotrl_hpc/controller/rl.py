@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
 from pivotrl_hpc.protocol.engine import Sampling
-from pivotrl_hpc.task.types import PromptData, Score  # noqa: F401 - the loop's vocabulary
+from pivotrl_hpc.task.types import PromptData, Score  # the loop's vocabulary
 
 
 class Task(Protocol):
@@ -167,7 +167,8 @@ class RLBook:
         s = self.samples[sid]
         if s.state != "admitted":
             raise RuntimeError(f"sample {sid} finished rollout twice (state {s.state})")
-        s.response, s.logprobs, s.version, s.state = list(response), list(logprobs), version, "rolled"
+        s.response, s.logprobs = list(response), list(logprobs)
+        s.version, s.state = version, "rolled"
         if s.batch >= 0:
             s.judge_prompt = task.judge_prompt(s.prompt, s.response)
         return s
@@ -184,7 +185,8 @@ class RLBook:
         return s
 
     def batch_ready(self, step: int) -> bool:
-        if step >= self.steps or self.batch_of(self.next_prompt - 1) < step or self.next_prompt == 0:
+        if (step >= self.steps or self.batch_of(self.next_prompt - 1) < step
+                or self.next_prompt == 0):
             return False
         members = self.batch_samples(step)
         return len(members) == self.batch_size * self.group_size and all(

@@ -79,7 +79,8 @@ class GPSClient:
                     os.close(self._dir)
                     self._dir = -1
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"no GPS node agent for job {job} on {node} ({path})")
+                    raise TimeoutError(
+                        f"no GPS node agent for job {job} on {node} ({path})") from None
                 time.sleep(0.05)
             except BaseException:
                 if self._dir >= 0:
