@@ -51,25 +51,9 @@ FLOORS: tuple[tuple[str, ...], ...] = (
 # workers through it, not through the worker's or the engines' own modules.
 SEAM = {"controller": ("runtime", "engines"), "sim": ("runtime", "engines")}
 
-_PROTOCOL = "the vocabulary moves to pivotrl_hpc/protocol/ (issue 51 point 1)"
+_PREFLIGHT = "validation that needs the task, checkpoints or engines: a launch preflight"
 # (importing file, imported module) -> why it is allowed for now. Shrinks; never grows.
 KNOWN: dict[tuple[str, str], str] = {
-    ("controller/checkpointing.py", "pivotrl_hpc.runtime.messages"): _PROTOCOL,
-    ("controller/flow.py", "pivotrl_hpc.engines.vllm.types"): _PROTOCOL,
-    ("controller/flow.py", "pivotrl_hpc.runtime.messages"): _PROTOCOL,
-    ("controller/handles.py", "pivotrl_hpc.runtime.messages"): _PROTOCOL,
-    ("controller/live.py", "pivotrl_hpc.runtime.messages"): _PROTOCOL,
-    ("controller/loop.py", "pivotrl_hpc.engines.vllm.types"): _PROTOCOL,
-    ("controller/loop.py", "pivotrl_hpc.runtime.messages"): _PROTOCOL,
-    ("controller/mpi_handle.py", "pivotrl_hpc.runtime.messages"): _PROTOCOL,
-    ("controller/rl.py", "pivotrl_hpc.engines.vllm.types"): _PROTOCOL,
-    ("controller/shifts.py", "pivotrl_hpc.runtime.messages"): _PROTOCOL,
-    ("controller/policy.py", "pivotrl_hpc.runtime.context"): _PROTOCOL,
-    ("controller/mpi_handle.py", "pivotrl_hpc.runtime.serve"): _PROTOCOL,   # the MPI tags
-    ("sim/modeled.py", "pivotrl_hpc.engines.vllm.types"): _PROTOCOL,
-    ("sim/modeled.py", "pivotrl_hpc.runtime.messages"): _PROTOCOL,
-    ("checkpoint/state.py", "pivotrl_hpc.engines.vllm.types"): _PROTOCOL,
-    ("trace/recompute.py", "pivotrl_hpc.runtime.context"): _PROTOCOL,
     # The live driver's parts: they start and address real workers (MPI, worker specs).
     ("controller/live.py", "pivotrl_hpc.runtime.spec"):
         "the live driver builds worker specs; belongs in launch (not yet moved)",
@@ -77,17 +61,17 @@ KNOWN: dict[tuple[str, str], str] = {
         "the live driver sizes KV caches; belongs in launch (not yet moved)",
     ("sim/profile.py", "pivotrl_hpc.engines.memory"):
         "the modeled KV budget reads the engines' memory model (not yet moved)",
-    # Up a floor (issue 51 point 2).
-    ("config/validate.py", "pivotrl_hpc.checkpoint.folders"): "issue 51 point 2",
-    ("config/validate.py", "pivotrl_hpc.checkpoint.layout"): "issue 51 point 2",
-    ("config/validate.py", "pivotrl_hpc.checkpoint.state"): "issue 51 point 2",
-    ("config/validate.py", "pivotrl_hpc.engines.memory"): "issue 51 point 2",
-    ("config/validate.py", "pivotrl_hpc.task.errors"): "issue 51 point 2",
-    ("config/validate.py", "pivotrl_hpc.task.judge"): "issue 51 point 2",
-    ("config/validate.py", "pivotrl_hpc.task.task"): "issue 51 point 2",
+    # config.validate with check_files builds the task, checks the checkpoint it would
+    # start from and the KV capacity: to become a preflight step in launch (issue 51 point 2)
+    ("config/validate.py", "pivotrl_hpc.checkpoint.folders"): _PREFLIGHT,
+    ("config/validate.py", "pivotrl_hpc.checkpoint.layout"): _PREFLIGHT,
+    ("config/validate.py", "pivotrl_hpc.checkpoint.state"): _PREFLIGHT,
+    ("config/validate.py", "pivotrl_hpc.engines.memory"): _PREFLIGHT,
+    ("config/validate.py", "pivotrl_hpc.task.errors"): _PREFLIGHT,
+    ("config/validate.py", "pivotrl_hpc.task.judge"): _PREFLIGHT,
+    ("config/validate.py", "pivotrl_hpc.task.task"): _PREFLIGHT,
     ("task/data.py", "pivotrl_hpc.assets.dataset"):
         "the synthetic math set is made in assets (init-models writes it) and read by the task",
-    # Circles (issue 51 point 3): the import that closes each.
 }
 
 
@@ -250,9 +234,7 @@ def test_the_known_list_only_shrinks():
     breaking = {(e.file, e.target) for e, _ in broken_rules(found)}
     for g in circles(found, modules):
         breaking |= {(e.file, e.target) for e in _circle_edges(found, g)}
-    # the protocol's entries leave with the commit that builds it (another engineer's, in
-    # flight): until then the tree may already be past them
-    stale = sorted(k for k in set(KNOWN) - breaking if KNOWN[k] != _PROTOCOL)
+    stale = sorted(set(KNOWN) - breaking)
     assert not stale, f"fixed, remove from KNOWN: {stale}"
 
 
