@@ -104,7 +104,8 @@ GPS_NO_REGISTER = _var("PIVOTRL_GPS_NO_REGISTER", bool, False,
                        "1: GPS copies to the GPU through pageable memory (a benchmark's baseline)")
 TEST_FAULTS = _var("PIVOTRL_TEST_FAULTS", str, None,
                    "tests only: faults to inject, name=count,... (gps_nacks=N: the agent "
-                   "refuses its first N MPI data requests)")
+                   "refuses its first N MPI data requests; modeled_<Command>=1: a modeled "
+                   "worker fails that command)")
 
 # ---- benchmarks and scripts ---------------------------------------------------------------
 BENCH_DIR = _var("PIVOTRL_BENCH_DIR", str, None,
@@ -144,18 +145,24 @@ XDG_STATE_HOME = _var("XDG_STATE_HOME", str, None,
                       "record", reader="XDG")
 
 
-def fault(name: str, env: Mapping[str, str] | None = None) -> int:
-    """The one test-only fault hook: how many times fault `name` is to be injected
-    (PIVOTRL_TEST_FAULTS, name=count,...; 0 when it does not name it)."""
-    spec = TEST_FAULTS.raw(env)
-    for part in (spec or "").split(","):
+def faults(env: Mapping[str, str] | None = None) -> dict[str, int]:
+    """The one test-only fault hook: each fault PIVOTRL_TEST_FAULTS names (name=count,...)
+    and how many times it is to be injected."""
+    out = {}
+    for part in (TEST_FAULTS.raw(env) or "").split(","):
+        if not part.strip():
+            continue
         key, _, count = part.partition("=")
-        if key.strip() == name:
-            try:
-                return int(count)
-            except ValueError:
-                raise EnvError(f"{TEST_FAULTS.name}: {part!r} is not name=count") from None
-    return 0
+        try:
+            out[key.strip()] = int(count)
+        except ValueError:
+            raise EnvError(f"{TEST_FAULTS.name}: {part!r} is not name=count") from None
+    return out
+
+
+def fault(name: str, env: Mapping[str, str] | None = None) -> int:
+    """How many times fault `name` is to be injected (0: never), through `faults`."""
+    return faults(env).get(name, 0)
 
 
 def markdown() -> str:

@@ -1,6 +1,9 @@
 """A controller over modeled workers on virtual time (pivotrl_hpc.sim.modeled), for tests."""
 from __future__ import annotations
 
+import os
+from unittest import mock
+
 from pivotrl_hpc.controller.clock import VirtualClock
 from pivotrl_hpc.controller.handles import Devices
 from pivotrl_hpc.controller.loop import Controller, LoopConfig
@@ -41,10 +44,13 @@ def make_controller(paradigm="shiftable", gpus=8, train=(0, 1, 2, 3), steps=3, k
                     prebuild=()):
     clock = VirtualClock()
     store = ModeledStore()
-    workers = [ModeledWorker(d, clock, store, {"policy": POLICY, "genrm": GENRM},
-                             {"rollout": 0.5, "reward": 0.6, "training": 0.8},
-                             {"rollout": 0.3, "reward": 0.3, "training": 0.4},
-                             fail_on=fail_on, late_finish=late_finish) for d in range(gpus)]
+    # a failure injected through the one test-only fault hook, read as the workers are made
+    faults = {"PIVOTRL_TEST_FAULTS": f"modeled_{fail_on.__name__}=1"} if fail_on else {}
+    with mock.patch.dict(os.environ, faults):
+        workers = [ModeledWorker(d, clock, store, {"policy": POLICY, "genrm": GENRM},
+                                 {"rollout": 0.5, "reward": 0.6, "training": 0.8},
+                                 {"rollout": 0.3, "reward": 0.3, "training": 0.4},
+                                 late_finish=late_finish) for d in range(gpus)]
     lengths = Lengths("budget", 12, 0.8, 48, 6, 0.6, 16)
     book = RLBook(prompts(), steps=steps, batch_size=batch_size, group_size=group_size,
                   staleness=k, lengths=lengths, temperature=1.0, seed=0)

@@ -107,6 +107,7 @@ def test_the_one_fault_hook_counts_by_name():
     env = {"PIVOTRL_TEST_FAULTS": "gps_nacks=7, other=2"}
     assert envs.fault("gps_nacks", env) == 7 and envs.fault("other", env) == 2
     assert envs.fault("gps_nacks", {}) == 0 and envs.fault("missing", env) == 0
+    assert envs.faults(env) == {"gps_nacks": 7, "other": 2} and envs.faults({}) == {}
     with pytest.raises(envs.EnvError, match="'gps_nacks=x' is not name=count"):
         envs.fault("gps_nacks", {"PIVOTRL_TEST_FAULTS": "gps_nacks=x"})
 

@@ -15,6 +15,7 @@ from functools import lru_cache
 from itertools import islice
 from pathlib import Path
 
+from pivotrl_hpc import envs
 from pivotrl_hpc.controller.clock import VirtualClock
 from pivotrl_hpc.controller.flow import STALL_STEPS
 from pivotrl_hpc.protocol.engine import (AbortedSequence, EngineOptions, FinishedSequence,
@@ -107,7 +108,11 @@ class ModeledWorker:
     # replica's leader): as vLLM's non-driver workers it returns no outputs, so it only
     # counts what times its Steps (sequences, tokens, finishes); the leader answers for all
     leads: bool = True
-    fail_on: type | None = None        # inject a failure on this command type (tests)
+    # command names that fail here (tests, through the one fault hook:
+    # PIVOTRL_TEST_FAULTS=modeled_Step=1 when the worker is made)
+    fail_on: frozenset[str] = field(default_factory=lambda: frozenset(
+        name.removeprefix("modeled_") for name, n in envs.faults().items()
+        if name.startswith("modeled_") and n > 0))
     slowdown: float = 1.0              # this device's step latency / the model's
     # True: a sequence's finish is reported by the Step after the one of its last token, and
     # a named Abort in between drops it silently, as the real engine can (flow.py docstring)
@@ -124,7 +129,7 @@ class ModeledWorker:
     def submit(self, cmd: Command) -> None:
         self.log.append(type(cmd).__name__)
         start = max(self._free_at, self.clock.now())
-        if self.fail_on is not None and isinstance(cmd, self.fail_on):
+        if type(cmd).__name__ in self.fail_on:
             reply, seconds = Reply(type(cmd).__name__, False, self.role, self.device,
                                    error="injected failure",
                                    seq_ids=tuple(sorted(self.seqs))), 0.0
