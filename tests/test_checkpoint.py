@@ -101,20 +101,20 @@ def test_config_resume_values_and_errors(tmp_path):
     with pytest.raises(ConfigError, match="'rl.preempt_grace_s': 'nan' is a str"):
         load_config(path, ["rl.preempt_grace_s=nan"], check_files=False)
     c = _fake(tmp_path / "r.checkpoints", 3)
-    from pivotrl_hpc.config.validate import _checkpoints
+    from pivotrl_hpc.launch.preflight import check_start
     cfg_obj = load_config(path, [f"resume={c}"], check_files=False)
-    _checkpoints(cfg_obj, True)                # a whole one passes
+    check_start(cfg_obj)                # a whole one passes
     cfg_obj.resume = str(tmp_path / "r.checkpoints" / "step-000009")
     with pytest.raises(ConfigError, match="'resume': no whole checkpoint"):
-        _checkpoints(cfg_obj, True)
+        check_start(cfg_obj)
     # resume=auto in a run whose checkpoint had another batch: refused before any rank starts
     _fake(tmp_path / "r.checkpoints", 4, fixed={"rl.batch_size": 99})
     cfg_obj.resume, cfg_obj.trace.path = "auto", str(tmp_path / "r.h5")
     with pytest.raises(ConfigError, match=r"'resume': .*step-000004 was made with "
                                           r"rl.batch_size=99, the config says 4"):
-        _checkpoints(cfg_obj, True)
+        check_start(cfg_obj)
     cfg_obj.resume = False
-    _checkpoints(cfg_obj, True)
+    check_start(cfg_obj)
 
 
 def test_changed_batch_shape_is_refused_by_name():

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from pivotrl_hpc.config import ConfigError, load_config
-from pivotrl_hpc.config.validate import check_kv_capacity
+from pivotrl_hpc.launch.preflight import check_kv_capacity
 from pivotrl_hpc.controller.live import loop_config
 from pivotrl_hpc.gps.shapes import ModelShape
 from pivotrl_hpc.runtime.spec import engine_options

@@ -51,7 +51,6 @@ FLOORS: tuple[tuple[str, ...], ...] = (
 # workers through it, not through the worker's or the engines' own modules.
 SEAM = {"controller": ("runtime", "engines"), "sim": ("runtime", "engines")}
 
-_PREFLIGHT = "validation that needs the task, checkpoints or engines: a launch preflight"
 # (importing file, imported module) -> why it is allowed for now. Shrinks; never grows.
 KNOWN: dict[tuple[str, str], str] = {
     # The live driver's parts: they start and address real workers (MPI, worker specs).
@@ -61,15 +60,6 @@ KNOWN: dict[tuple[str, str], str] = {
         "the live driver sizes KV caches; belongs in launch (not yet moved)",
     ("sim/profile.py", "pivotrl_hpc.engines.memory"):
         "the modeled KV budget reads the engines' memory model (not yet moved)",
-    # config.validate with check_files builds the task, checks the checkpoint it would
-    # start from and the KV capacity: to become a preflight step in launch (issue 51 point 2)
-    ("config/validate.py", "pivotrl_hpc.checkpoint.folders"): _PREFLIGHT,
-    ("config/validate.py", "pivotrl_hpc.checkpoint.layout"): _PREFLIGHT,
-    ("config/validate.py", "pivotrl_hpc.checkpoint.state"): _PREFLIGHT,
-    ("config/validate.py", "pivotrl_hpc.engines.memory"): _PREFLIGHT,
-    ("config/validate.py", "pivotrl_hpc.task.errors"): _PREFLIGHT,
-    ("config/validate.py", "pivotrl_hpc.task.judge"): _PREFLIGHT,
-    ("config/validate.py", "pivotrl_hpc.task.task"): _PREFLIGHT,
     ("task/data.py", "pivotrl_hpc.assets.dataset"):
         "the synthetic math set is made in assets (init-models writes it) and read by the task",
 }

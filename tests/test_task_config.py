@@ -1,7 +1,7 @@
 """The task built from a config (pivotrl_hpc.task.task) on the tiny models: chat-templated
 prompts, overlong prompts filtered or rejected, judge prompts that fit, and every bad input
-stopped by `load_config` (what `pivotrl run` and `pivotrl config` call before any device
-starts) with the key to fix."""
+stopped by `load_checked` (load_config and the launch's preflight: what `pivotrl run` and
+`pivotrl config` call before any device starts) with the key to fix."""
 from __future__ import annotations
 
 import json
@@ -15,6 +15,7 @@ import pytest
 from live_util import ROOT, model_overrides
 
 from pivotrl_hpc.config import ConfigError, load_config
+from pivotrl_hpc.launch.preflight import load_checked
 from pivotrl_hpc.task.task import build_task
 
 CONFIG = ROOT / "configs" / "tiny-cpu.yaml"
@@ -28,7 +29,7 @@ def built(tiny_models):
 
 def error(tiny_models, overrides) -> ConfigError:
     with pytest.raises(ConfigError) as e:
-        load_config(CONFIG, [*model_overrides(tiny_models), *overrides])
+        load_checked(CONFIG, [*model_overrides(tiny_models), *overrides])
     return e.value
 
 

@@ -131,3 +131,11 @@ def test_text_inside_thinking_never_decides_a_score(thought, answer, family):
     # and thinking that never closes scores the default, whatever it says
     assert parse_judgement("<think>" + thought, rule) == parse_judgement("<think>", rule)
     assert after_thinking("<think>" + thought) is None
+
+
+def test_the_config_knows_the_families_the_judge_has():
+    """config checks reward.genrm_template against its own list of family names (config
+    imports no task module): it is the judge's."""
+    from pivotrl_hpc.config.schema import GENRM_FAMILIES
+
+    assert GENRM_FAMILIES == tuple(FAMILIES)

@@ -47,10 +47,13 @@ def main(args: argparse.Namespace) -> int:
     from pivotrl_hpc.config import ConfigError, to_dict
     from pivotrl_hpc.config.load import load_explained
     from pivotrl_hpc.config.run_checks import check_length_mode
+    from pivotrl_hpc.launch.preflight import preflight
 
     try:
         cfg, origins = load_explained(args.config, args.overrides,
                                       check_files=not args.no_check_files)
+        if not args.no_check_files:
+            preflight(cfg)
     except ConfigError as e:
         print(f"pivotrl config: {e}", file=sys.stderr)
         return 2

@@ -11,8 +11,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pivotrl_hpc.config import load_config
 from pivotrl_hpc.launch.diagnose import BAD_INPUT, bad_input
+from pivotrl_hpc.launch.preflight import load_checked
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,7 +32,7 @@ def main(args: argparse.Namespace) -> int:
     from pivotrl_hpc.launch import local
 
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_checked(args.config, args.overrides)
         run = local.prepare(cfg, cpu_cap=not args.no_cpu_cap)
     except BAD_INPUT as e:
         print(f"pivotrl run: {bad_input(e, args.config)}", file=sys.stderr)

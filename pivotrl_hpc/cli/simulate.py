@@ -62,7 +62,7 @@ def _load(args, overrides: list[str]):
     """The config as the simulator runs it: no weights needed, absent model folders and data
     stood in for (sim/standin.py) under the run's scratch folder."""
     from pivotrl_hpc.config import load_config
-    from pivotrl_hpc.config.validate import check_kv_capacity
+    from pivotrl_hpc.launch.preflight import check_kv_capacity
     from pivotrl_hpc.sim.standin import stand_in
 
     cfg, notes = stand_in(load_config(args.config, overrides, check_files=False), args.scratch)

@@ -258,6 +258,8 @@ class RewardConfig:
 
 
 LOGGERS = ("console", "tensorboard", "wandb")   # trace.loggers' choices (trace/loggers.py)
+# reward.genrm_template's family names (or a file): task/judge.py's FAMILIES
+GENRM_FAMILIES = ("glm-z1", "qwen3", "qwen3.5", "tiny")
 
 
 @dataclass

@@ -1,4 +1,6 @@
-"""Cross-field checks: impossible combinations fail before any work starts."""
+"""Cross-field checks: impossible combinations fail before any work starts. With
+`check_files`, the files a config names too; what needs the task, the checkpoints or the
+engines' memory model is launch/preflight.py's (config imports nothing above it)."""
 from __future__ import annotations
 
 import json
@@ -8,7 +10,7 @@ from pathlib import Path
 
 from pivotrl_hpc.config import run_checks
 from pivotrl_hpc.config.errors import ConfigError
-from pivotrl_hpc.config.schema import Config, ModelConfig
+from pivotrl_hpc.config.schema import GENRM_FAMILIES, Config, ModelConfig
 
 _POSITIVE = {
     "cluster": ("nodes", "devices_per_node", "cpu_share"),
@@ -108,34 +110,6 @@ def _context(hf: dict) -> int:
     return int(hf.get("text_config", hf)["max_position_embeddings"])
 
 
-def check_kv_capacity(cfg: Config) -> None:
-    """A sequence at its longest must fit one replica's KV cache, or the scheduler can never
-    place it and the job waits forever (the paper groups at the CPU default of 16 MB did).
-    The cache is derived from the device (engines/memory.py) unless roles.kv_cache_mb
-    overrides it."""
-    from pivotrl_hpc.engines.memory import KVBudget
-
-    for name, role in (("policy", "rollout"), ("genrm", "reward")):
-        m: ModelConfig = getattr(cfg.models, name)
-        kv = KVBudget(cfg, name)
-        need, have = m.max_prompt_len + m.max_response_len, kv.replica_tokens
-        if need <= have:
-            continue
-        if kv.override:
-            per_token = kv.shape.kv_bytes_per_token(kv.b)
-            raise ConfigError("roles.kv_cache_mb",
-                              f"{cfg.roles.kv_cache_mb} MB per {role} replica holds {have} "
-                              f"tokens of {name} ({per_token} bytes a token), fewer than its "
-                              f"longest sequence (max_prompt_len + max_response_len = {need}); "
-                              f"raise it to at least {-(-need * per_token // 2**20)}, or set "
-                              f"0 to derive it from the device's memory")
-        raise ConfigError("cluster.device_memory_gib",
-                          f"a {role} replica holds {have} tokens of {name}, fewer than its "
-                          f"longest sequence ({need}): {kv.explain()}; give it more devices "
-                          f"(models.{name}.tensor_parallel), a larger device or a higher "
-                          f"roles.gpu_memory_utilization")
-
-
 def _memory(cfg: Config) -> None:
     u, gib = cfg.roles.gpu_memory_utilization, cfg.cluster.device_memory_gib
     if not 0 < u <= 1:
@@ -157,7 +131,7 @@ def _folder_architecture(name: str, m: ModelConfig, hf: dict) -> None:
     _no_dense_experts(name, m, found)
 
 
-def _checkpoints(cfg: Config, check_files: bool) -> None:
+def _checkpoints(cfg: Config) -> None:
     rl = cfg.rl
     if rl.checkpoint_every < 0:
         raise ConfigError("rl.checkpoint_every", f"{rl.checkpoint_every} must be >= 0 (0: none)")
@@ -166,17 +140,6 @@ def _checkpoints(cfg: Config, check_files: bool) -> None:
     if not rl.preempt_grace_s >= 0:
         raise ConfigError("rl.preempt_grace_s", f"{rl.preempt_grace_s} must be >= 0 (seconds; "
                           "0: a stop signal stops at once)")
-    if check_files:   # the checkpoint the job would start from, checked as the ranks will
-        from pivotrl_hpc.checkpoint.folders import RunFolderError
-        from pivotrl_hpc.checkpoint.layout import CheckpointError
-        from pivotrl_hpc.checkpoint.state import prepare
-
-        try:
-            prepare(cfg)
-        except RunFolderError as e:   # the run folder itself (issue 46), before any resume
-            raise ConfigError("trace.path", str(e)) from None
-        except CheckpointError as e:
-            raise ConfigError("resume", str(e)) from None
 
 
 # Architectures each role can run: the policy trains in Megatron-Core through the Qwen2
@@ -263,20 +226,6 @@ def _models_on_disk(cfg: Config) -> None:
             raise ConfigError(f"models.{name}.max_response_len",
                               f"max_prompt_len + max_response_len = {need} exceeds the model's "
                               f"context of {ctx} tokens")
-    check_kv_capacity(cfg)
-    _task(cfg)
-
-
-def _task(cfg: Config) -> None:
-    """Build the RL task as the controller will (pivotrl_hpc.task): every data row, chat
-    template, compute_score (called once) and judge template, before any worker starts."""
-    from pivotrl_hpc.task.errors import TaskError
-    from pivotrl_hpc.task.task import build_task
-
-    try:
-        build_task(cfg)
-    except TaskError as e:
-        raise ConfigError(e.key, str(e)) from None
 
 
 def _task_settings(cfg: Config) -> None:
@@ -325,11 +274,11 @@ def _task_files(cfg: Config) -> dict[str, str]:
             if path and not Path(path).is_file():
                 missing[f"data.{split}"] = (f"{path} does not exist: provide {what} there "
                                             "(veRL-schema parquet)")
-    from pivotrl_hpc.task.judge import FAMILIES
-    if cfg.reward.genrm_template not in FAMILIES and not Path(cfg.reward.genrm_template).is_file():
+    if cfg.reward.genrm_template not in GENRM_FAMILIES and \
+            not Path(cfg.reward.genrm_template).is_file():
         missing["reward.genrm_template"] = (f"{cfg.reward.genrm_template} does not exist: "
                                             "provide the judge template there, or name a family "
-                                            f"({', '.join(FAMILIES)})")
+                                            f"({', '.join(GENRM_FAMILIES)})")
     where = cfg.reward.verifiable.rsplit(":", 1)[0]
     if where.endswith(".py") and not Path(where).is_file():
         missing["reward.verifiable"] = f"{where} does not exist: provide the compute_score file"
@@ -341,7 +290,7 @@ def validate(cfg: Config, check_files: bool = True) -> None:
     _memory(cfg)
     _replicas(cfg)
     _training(cfg)
-    _checkpoints(cfg, check_files)
+    _checkpoints(cfg)
     _architectures(cfg)
     _task_settings(cfg)
     run_checks.trace_settings(cfg)

@@ -349,11 +349,11 @@ def run_in_allocation(config: str | Path, overrides: tuple[str, ...] | list[str]
     """What `pivotrl_hpc.submit` runs in the batch step: the job's summary, with `trace`,
     `run_folder` and `job_id` added. Raises ConfigError / LaunchError (refused before any rank
     started), SlurmJobError (a rank failed, named) or InterruptedError (stopped by a signal)."""
-    from pivotrl_hpc.config import load_config
+    from pivotrl_hpc.launch.preflight import load_checked
 
     _log_to_stderr()
     alloc = Allocation.from_env()
-    cfg = load_config(config, absolute_resume(overrides, alloc.submit_dir))
+    cfg = load_checked(config, absolute_resume(overrides, alloc.submit_dir))
     run = prepare(cfg, alloc, root=root)
     out = execute(run)
     if out.code == 0 and out.summary is not None:
@@ -366,7 +366,7 @@ def run_in_allocation(config: str | Path, overrides: tuple[str, ...] | list[str]
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m pivotrl_hpc.launch.slurm CONFIG [key=value ...]` (pivot.sbatch's body)."""
-    from pivotrl_hpc.config import load_config
+    from pivotrl_hpc.launch.preflight import load_checked
 
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0].startswith("-"):
@@ -376,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     _log_to_stderr()
     try:
         alloc = Allocation.from_env()
-        run = prepare(load_config(argv[0], absolute_resume(argv[1:], alloc.submit_dir)), alloc)
+        run = prepare(load_checked(argv[0], absolute_resume(argv[1:], alloc.submit_dir)), alloc)
     except BAD_INPUT as e:
         print(f"pivot.sbatch: error: {bad_input(e, argv[0])}", file=sys.stderr)
         return 2

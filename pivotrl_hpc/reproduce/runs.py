@@ -65,7 +65,7 @@ def run_one(run: Run, cache: str | None = None) -> Outcome:
     """Simulate `run`; with `cache` (a folder), a run whose resolved config and constants
     were simulated before is read back (the simulator is deterministic): the calibration's
     last run set is then fig9's seed-0 baselines."""
-    from pivotrl_hpc.config.validate import check_kv_capacity
+    from pivotrl_hpc.launch.preflight import check_kv_capacity
     from pivotrl_hpc.controller.flow import ControllerError
     from pivotrl_hpc.sim.profile import H20, calibrated
     from pivotrl_hpc.sim.run import SimConstants, simulate

@@ -1,5 +1,5 @@
-"""The task layer's one error: names the config key to fix (config.validate turns it into a
-ConfigError before any device starts)."""
+"""The task layer's one error: names the config key to fix (launch/preflight.py turns it into
+a ConfigError before any device starts)."""
 from __future__ import annotations
 
 

@@ -4,7 +4,7 @@ the GenRM's parsed judgement. Token ids in, token ids and scores out (the contro
 
 Everything that can be wrong with the task (a data file, a key path, a chat template, a
 compute_score, a judge template that does not fit) raises TaskError when the task is built, and
-`config.validate` builds it before any worker starts.
+the launch's preflight (launch/preflight.py) builds it before any worker starts.
 """
 from __future__ import annotations
 
