@@ -87,7 +87,7 @@ def test_migration_leaves_the_lane_alone():
     sched = role(SPEC, LOADS)
     placed(sched, [*BULK, Sequence(28, 15000)])
     sched.dispatch()
-    result = sched.shift_up_migration([Replica("r4", 100_000)], migrate="paper")
+    result = sched.shift_up_migration([Replica("r4", 100_000)], migrate="least_loss")
     assert list(sched.replicas["r2"].seqs) == [28]
     assert all("r2" not in (m.src, m.dst) for m in result.moves)
 
