@@ -38,7 +38,7 @@ def prompts(n=64):
     return [PromptData(i, tuple(range(1, 6 + i % 5)), f"p{i}", "0") for i in range(n)]
 
 
-def make_controller(paradigm="shiftable", gpus=8, train=(0, 1, 2, 3), steps=3, k=2,
+def make_controller(paradigm="shiftable", gpus=8, train=(0, 1, 2, 3), steps=3, staleness=2,
                     params=None, bootstrap=None, reward_gpus=1, fail_on=None, eval_every=0,
                     trace=None, batch_size=4, group_size=4, tau=None, late_finish=False,
                     prebuild=()):
@@ -53,7 +53,7 @@ def make_controller(paradigm="shiftable", gpus=8, train=(0, 1, 2, 3), steps=3, k
                                  late_finish=late_finish) for d in range(gpus)]
     lengths = Lengths("budget", 12, 0.8, 48, 6, 0.6, 16)
     book = RLBook(prompts(), steps=steps, batch_size=batch_size, group_size=group_size,
-                  staleness=k, lengths=lengths, temperature=1.0, seed=0)
+                  staleness=staleness, lengths=lengths, temperature=1.0, seed=0)
     cfg = LoopConfig(gpus, {"rollout": 1, "reward": reward_gpus},
                      {"rollout": 2048, "reward": 2048}, tuple(train), steps,
                      planner_interval_s=0.5, log_interval_s=1.0, eval_every=eval_every,

@@ -138,7 +138,7 @@ def _batches(ctl) -> dict[int, list[tuple]]:
 
 def _run(tmp_path, name, steps=6, resume_from=None, version=0):
     ctl, workers = make_controller("disaggregated", gpus=8, train=(0, 1, 2, 3), steps=steps,
-                                   k=1, params={"rollout_gpus": 2, "reward_gpus": 2},
+                                   staleness=1, params={"rollout_gpus": 2, "reward_gpus": 2},
                                    bootstrap=split_bootstrap())
     workers[0].store.version = version        # GPS would be loaded at the checkpoint's
     ctl.checkpoints = Checkpointer(tmp_path / f"{name}.checkpoints", 2, 10, FIXED)
@@ -172,7 +172,7 @@ def test_resume_on_modeled_workers_trains_the_same_data_in_the_same_order(tmp_pa
 
 def test_a_stop_request_checkpoints_the_next_step_and_ends_the_job(tmp_path):
     ctl, workers = make_controller("disaggregated", gpus=8, train=(0, 1, 2, 3), steps=6,
-                                   k=1, params={"rollout_gpus": 2, "reward_gpus": 2},
+                                   staleness=1, params={"rollout_gpus": 2, "reward_gpus": 2},
                                    bootstrap=split_bootstrap())
     ctl.checkpoints = Checkpointer(tmp_path / "c.checkpoints", 0, 10, FIXED)   # none periodic
     ctl.checkpoints.request("stop")
@@ -207,7 +207,7 @@ def test_sigterm_with_grace_defers_to_a_checkpoint_only_when_it_fits(tmp_path, m
     from pivotrl_hpc.controller import live
     from pivotrl_hpc.controller.live import _on_stop_signal
 
-    ctl, _ = make_controller(steps=3, k=1)
+    ctl, _ = make_controller(steps=3, staleness=1)
     ctl.checkpoints = Checkpointer(tmp_path / "c", 0, 2, FIXED)
     seen: list[int] = []
     old = signal.signal(signal.SIGTERM, lambda signum, _frame: seen.append(signum))
@@ -230,7 +230,7 @@ def test_sigterm_with_grace_defers_to_a_checkpoint_only_when_it_fits(tmp_path, m
 
 
 def test_capture_keeps_finished_samples_and_restarts_the_rest(tmp_path):
-    ctl, _ = make_controller(steps=3, k=2)
+    ctl, _ = make_controller(steps=3, staleness=2)
     book = ctl.book
     samples = book.admit(0, 0.0)
     s0, s1 = samples[0], samples[1]
@@ -238,7 +238,7 @@ def test_capture_keeps_finished_samples_and_restarts_the_rest(tmp_path):
     book.rolled(s1.sid, [7], [-0.3], 0, ctl.task)
     book.rewarded(s1.sid, [3], ctl.task)
     state = json.loads(json.dumps(capture(ctl, FIXED)))   # what goes through state.json
-    fresh, _ = make_controller(steps=3, k=2)
+    fresh, _ = make_controller(steps=3, staleness=2)
     again = restore(fresh, state)
     roles = {s.sid: role for s, role in again}
     assert roles[s0.sid] == "reward" and s1.sid not in roles

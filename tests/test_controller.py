@@ -18,7 +18,7 @@ FIXED = ("colocated", "disaggregated", "rr_colocated")
 def run(paradigm, **kw):
     train = tuple(range(8)) if paradigm == "colocated" else (0, 1, 2, 3)
     if paradigm == "colocated":
-        kw.setdefault("k", 0)
+        kw.setdefault("staleness", 0)
     if paradigm == "disaggregated":
         kw.setdefault("params", {"rollout_gpus": 2, "reward_gpus": 2})
     boot = None if paradigm in FIXED else split_bootstrap()
@@ -109,7 +109,7 @@ def test_kv_overflow_preempts_and_loses_nothing():
 
 
 def test_staleness_zero_is_synchronous_and_holds_admission():
-    ctl, _, summary = run("shiftable", k=0)
+    ctl, _, summary = run("shiftable", staleness=0)
     assert summary["max_lag"] == 0
     assert summary["staleness_held_s"] > 0
 

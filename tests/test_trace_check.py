@@ -255,7 +255,8 @@ def _modeled(tmp_path, name: str, resume_from=None, version: int = 0) -> Path:
 
     from pivotrl_hpc.controller.checkpointing import Checkpointer, resume
 
-    ctl, workers = make_controller("disaggregated", gpus=8, train=(0, 1, 2, 3), steps=6, k=1,
+    ctl, workers = make_controller("disaggregated", gpus=8, train=(0, 1, 2, 3), steps=6,
+                                   staleness=1,
                                    params={"rollout_gpus": 2, "reward_gpus": 2},
                                    bootstrap=split_bootstrap())
     workers[0].store.version = version
