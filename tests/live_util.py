@@ -95,9 +95,9 @@ def assert_trace_ok(*traces: Path) -> None:
         assert not bad, f"{trace}:\n" + "\n".join(bad)
 
 
-def check_nothing_lost(trace: Path, steps: int, per_step: int, k: int) -> dict:
+def check_nothing_lost(trace: Path, steps: int, per_step: int, staleness: int) -> dict:
     """From the trace: every sequence finishes exactly once, every trained sample was
-    rolled out and judged, each step trains `per_step` samples, the lag stays <= k; and
+    rolled out and judged, each step trains `per_step` samples, the lag stays <= staleness; and
     the trace passes `pivotrl trace check`."""
     from pivotrl_hpc.trace import open_trace
 
@@ -111,7 +111,7 @@ def check_nothing_lost(trace: Path, steps: int, per_step: int, k: int) -> dict:
     reward = {i for (r, i) in finishes if r == "reward"}
     assert set(finishes.values()) == {1}            # every sequence finishes exactly once
     assert reward <= rollout and len(reward) == steps * per_step
-    assert list(st["samples"]) == [per_step] * steps and st["max_lag"].max() <= k
+    assert list(st["samples"]) == [per_step] * steps and st["max_lag"].max() <= staleness
     return {"steps": st, "shifts": shifts}
 
 

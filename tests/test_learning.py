@@ -69,8 +69,8 @@ def test_reward_rises_by_at_least_0_2(learned, paradigm):
     first, last = statistics.fmean(r[:5]), statistics.fmean(r[-5:])
     print(f"{paradigm}: reward first 5 steps {first:.3f}, last 5 {last:.3f}")
     assert last - first >= 0.2, f"{paradigm}: first 5 steps {first:.3f}, last 5 {last:.3f}"
-    k = 0 if paradigm == "colocated" else 2
-    check_nothing_lost(run["trace"], STEPS, PER_STEP, k)
+    staleness = 0 if paradigm == "colocated" else 2
+    check_nothing_lost(run["trace"], STEPS, PER_STEP, staleness)
     assert run["summary"]["in_flight_at_end"] == 0 and run["left"] == set()
 
 

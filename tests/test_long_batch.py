@@ -65,6 +65,6 @@ def test_a_replica_step_over_4096_seeded_prompt_tokens_runs(long_batch_runs, par
     trace = run["trace"]
     held = first_step_prompt_tokens(trace)
     assert max(held.values()) > BUDGET, held
-    k = 0 if paradigm == "colocated" else 2
-    check_nothing_lost(trace, steps, batch * group, k)
+    staleness = 0 if paradigm == "colocated" else 2
+    check_nothing_lost(trace, steps, batch * group, staleness)
     assert run["summary"]["in_flight_at_end"] == 0 and run["left"] == set()

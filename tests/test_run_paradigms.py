@@ -33,7 +33,7 @@ def test_paradigm_completes_its_steps_and_loses_nothing(paradigm_runs, tmp_path,
     s = run["summary"]
     assert s["paradigm"] == paradigm and s["steps"] == steps
     assert s["in_flight_at_end"] == 0 and run["left"] == set()
-    shifts = check_nothing_lost(run["trace"], steps, 8 * 4, k=2)["shifts"]
+    shifts = check_nothing_lost(run["trace"], steps, 8 * 4, staleness=2)["shifts"]
     assert {"rollout", "reward"} <= set(shifts["role"])
     if paradigm == "rr_colocated":  # rollout and reward alternate on the same devices
         pool = {d for r, d in zip(shifts["role"], shifts["devices"]) if r == "reward"}

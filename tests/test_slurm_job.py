@@ -186,7 +186,8 @@ def test_trace_shows_ranks_on_both_nodes_and_writes_replicated_to_both(shiftable
 
 
 def test_shiftable_loses_nothing_and_shifts_every_way(shiftable):
-    shifts = check_nothing_lost(shiftable["trace"], steps=3, per_step=4 * 4, k=2)["shifts"]
+    shifts = check_nothing_lost(shiftable["trace"], steps=3, per_step=4 * 4,
+                                staleness=2)["shifts"]
     assert {"reward", "rollout", "training"} <= set(shifts["role"])
     ups = [(r, d) for r, d, di in zip(shifts["role"], shifts["devices"], shifts["direction"])
            if di == "up"]
@@ -205,5 +206,5 @@ def test_a_static_baseline_on_two_nodes_completes(two_node_jobs):
     r = two_node_jobs["static"]
     assert (r["res"].state, r["res"].exit_code) == ("COMPLETED", 0), r["res"].output[-3000:]
     assert r["summary"]["steps"] == 3 and r["summary"]["paradigm"] == "disaggregated"
-    check_nothing_lost(r["trace"], steps=3, per_step=4 * 4, k=2)
+    check_nothing_lost(r["trace"], steps=3, per_step=4 * 4, staleness=2)
     assert job_segments(r["job"]) == []
