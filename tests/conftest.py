@@ -14,7 +14,7 @@ os.environ.setdefault("UCX_MODULES", "^ib,rdmacm")  # NIXL segfaults at exit wit
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> Path:
     """Folder with policy/, genrm/ (HF Qwen2, random weights) and data/ (JSONL)."""
-    from pivotrl_hpc.assets.dataset import write_dataset
+    from pivotrl_hpc.task.synthetic import write_dataset
     from pivotrl_hpc.assets.models import SPECS, create_model
 
     out = tmp_path_factory.mktemp("tiny")

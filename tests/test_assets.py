@@ -5,7 +5,7 @@ import json
 import subprocess
 import sys
 
-from pivotrl_hpc.assets.dataset import TINY_SUFFIX, make_split
+from pivotrl_hpc.task.synthetic import TINY_SUFFIX, make_split
 from pivotrl_hpc.assets.tokenizer import EOS_ID, PAD_ID, THINK_ID, build_tokenizer
 from pivotrl_hpc.task.data import DataKeys, read_records
 

@@ -101,7 +101,7 @@ def test_pivotrl_config_warns_about_budget_on_a_gpu_config(capsys, caplog, fresh
 
 def test_my_job_template_passes_pivotrl_config_once_its_paths_exist(tmp_path, caplog,
                                                                      fresh_warnings):
-    from pivotrl_hpc.assets.dataset import write_dataset
+    from pivotrl_hpc.task.synthetic import write_dataset
     from pivotrl_hpc.assets.models import SPECS, create_model
     from pivotrl_hpc.cli.main import main
 

@@ -60,8 +60,6 @@ KNOWN: dict[tuple[str, str], str] = {
         "the live driver sizes KV caches; belongs in launch (not yet moved)",
     ("sim/profile.py", "pivotrl_hpc.engines.memory"):
         "the modeled KV budget reads the engines' memory model (not yet moved)",
-    ("task/data.py", "pivotrl_hpc.assets.dataset"):
-        "the synthetic math set is made in assets (init-models writes it) and read by the task",
 }
 
 

@@ -21,7 +21,7 @@ RUNS = {"shiftable": (8, 8, 2, ["rl.staleness=2"]),
 
 @pytest.fixture(scope="module")
 def dapo_data(tmp_path_factory):
-    from pivotrl_hpc.assets.dataset import write_dataset
+    from pivotrl_hpc.task.synthetic import write_dataset
 
     return write_dataset(tmp_path_factory.mktemp("dapo"), seed=0, train=64, validation=16,
                          instruction="dapo")

@@ -8,7 +8,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pivotrl_hpc.assets.dataset import TINY_SUFFIX, dapo_row, make_split, write_dataset
+from pivotrl_hpc.task.synthetic import TINY_SUFFIX, dapo_row, make_split, write_dataset
 from pivotrl_hpc.task.data import DataKeys, DatasetError, epochs, read_records, synthetic
 
 ROWS = [dapo_row(r, "math_dapo") for r in make_split(0, 6)]

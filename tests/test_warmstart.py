@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from pivotrl_hpc.assets.dataset import dapo_row, make_split
+from pivotrl_hpc.task.synthetic import dapo_row, make_split
 from pivotrl_hpc.assets.warmstart import judged_response
 from pivotrl_hpc.task.judge import FAMILIES, fill, parse_judgement, template_text
 from pivotrl_hpc.task.rewards import dapo_score

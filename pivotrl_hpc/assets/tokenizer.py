@@ -39,7 +39,7 @@ def corpus() -> Iterator[str]:
     DAPO prompt wrap it, the judge templates' words, numbers and answers."""
     import random
 
-    from pivotrl_hpc.assets.dataset import DAPO_PREFIX, DAPO_SUFFIX, TINY_SUFFIX, make_split
+    from pivotrl_hpc.task.synthetic import DAPO_PREFIX, DAPO_SUFFIX, TINY_SUFFIX, make_split
 
     words = ("Answer: yes no correct wrong score judge verdict problem response solution "
              "reference answer Is the final \\boxed{} think step by step Let us compute the "

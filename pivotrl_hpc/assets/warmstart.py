@@ -24,7 +24,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from pivotrl_hpc.assets.dataset import make_split
+from pivotrl_hpc.task.synthetic import make_split
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ def policy_examples(folder: Path, problems: list[dict]) -> list:
     the policy learns to write the Answer line for every problem some of the time."""
     from transformers import AutoTokenizer
 
-    from pivotrl_hpc.assets.dataset import dapo_row
+    from pivotrl_hpc.task.synthetic import dapo_row
 
     tok = AutoTokenizer.from_pretrained(str(folder))
     out = []
@@ -110,7 +110,7 @@ def policy_examples(folder: Path, problems: list[dict]) -> list:
 def genrm_examples(folder: Path, problems: list[dict], seed: int) -> list:
     from transformers import AutoTokenizer
 
-    from pivotrl_hpc.assets.dataset import dapo_row
+    from pivotrl_hpc.task.synthetic import dapo_row
     from pivotrl_hpc.task.judge import fill, template_text
 
     tok, rng = AutoTokenizer.from_pretrained(str(folder)), random.Random(seed)

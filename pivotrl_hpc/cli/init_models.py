@@ -43,7 +43,7 @@ def init_models(out: Path, seed: int = 0, train: int = 16, validation: int = 64,
                 genrm_arch: str = "qwen2", with_100m: bool = False, warm: bool = True) -> dict:
     """Write the models and the data under `out`; warm-start the policy and a Qwen2 GenRM
     (the other architectures serve the architecture tests, with random weights)."""
-    from pivotrl_hpc.assets.dataset import write_dataset
+    from pivotrl_hpc.task.synthetic import write_dataset
     from pivotrl_hpc.assets.models import SPECS, create_model
     from pivotrl_hpc.assets.warmstart import warm_start
 

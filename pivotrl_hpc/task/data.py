@@ -168,8 +168,8 @@ def _messages(value: Any, key: str) -> tuple[tuple[str, str], ...]:
 
 
 def synthetic(split: str, seed: int, n: int) -> list[Record]:
-    """The project's synthetic set (`assets.dataset`), in memory: no file."""
-    from pivotrl_hpc.assets.dataset import SPLITS, dapo_row, make_split
+    """The project's synthetic set (`task.synthetic`), in memory: no file."""
+    from pivotrl_hpc.task.synthetic import SPLITS, dapo_row, make_split
 
     start = 0 if split == "train" else 1_000_000
     rows = [dapo_row(r, SPLITS[split][1])
