@@ -25,10 +25,11 @@ batch arrives at once (rollout: every prompt of a batch is admitted together) ha
 sequences and is not given the lever.
 
 Measured (issue 50; 5-step runs, seed 0, shiftable): it loses. 7B: 896 -> 936 s at n = 2,
-1,037 s at n = 4; `pivotrl reproduce --only tail`: 1.5B 0.871x, 7B 0.901x. A batch's
-judgements run long together to the end (the 10th-last of batch 3 ended 41 s before its
-last), so reward is bound by its throughput over the batch, not by one sample's latency, and
-the arrival order does not name the longest judgement. Kept, off, as the measured ablation.
+1,037 s at n = 4; `pivotrl reproduce --only tail`: 1.5B 0.871x, 7B 0.901x, 32B 1.000x,
+72B 0.980x. A batch's judgements run long together to the end (the 10th-last of batch 3
+ended 41 s before its last), so reward is bound by its throughput over the batch, not by one
+sample's latency, and the arrival order does not name the longest judgement. Kept, off, as
+the measured ablation.
 """
 from __future__ import annotations
 
