@@ -13,8 +13,8 @@ engine's finish to come a Step later, a migration in between would move a comple
 sequence that no engine finishes (vLLM refuses a zero budget). And a replica that returns
 no token for a placed sequence over `STALL_STEPS` Steps has lost it: the run stops, naming
 both, instead of waiting forever (one it holds without a slot yet, past vLLM's
-max_num_seqs, comes back as progress without tokens: held, not lost) (a live colocated job hung so, before the executor netted
-Algorithm 4's chained moves: `executor.net_moves`).
+max_num_seqs, comes back as progress without tokens: held, not lost) (a live colocated job
+hung so, before the executor netted Algorithm 4's chained moves: `actions.net_moves`).
 """
 from __future__ import annotations
 

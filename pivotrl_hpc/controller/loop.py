@@ -444,5 +444,5 @@ class Controller:
             if left:
                 (log.warning if orderly else log.error)(
                     "devices %s did not answer Shutdown within %.0f s", left, timeout_s)
-        except Exception:  # noqa: BLE001 - a dead worker must not hide the original error
+        except Exception:  # a dead worker must not hide the original error
             log.exception("shutdown broadcast failed")

@@ -340,7 +340,7 @@ class NodeAgent(Transfers):
         if self.transport is not None:
             try:
                 self.transport.close()
-            except Exception:  # noqa: BLE001 - best effort at exit; segments are gone already
+            except Exception:  # best effort at exit; segments are gone already
                 log.debug("transport close failed", exc_info=True)
         if self.clients is not None:
             self.clients.close()

@@ -83,7 +83,7 @@ class AgentThread:
             self.agent.start()
             self.ready.set()
             self.agent.serve_forever()
-        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+        except BaseException as e:  # reported by the main thread
             self.error = e
             log.exception("GPS agent on %s failed", self.node)
             self.agent.close()
@@ -222,7 +222,7 @@ class Rank:
         except Interrupted as e:
             log.warning("controller %s", e)
             return
-        except Exception as e:  # noqa: BLE001 - the job still stops in order
+        except Exception as e:  # the job still stops in order
             self.failed = True
             self._write_error(e)
             log.exception("controller failed")

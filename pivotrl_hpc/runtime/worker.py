@@ -24,7 +24,7 @@ from pivotrl_hpc.protocol.messages import (ROLE_MODEL, Abort, AddSequences, Comm
 from pivotrl_hpc.runtime import checkpoint
 from pivotrl_hpc.runtime.worker_engines import WorkerEngines, engine_phases
 # What a worker is made of sits below both the worker and its engines; re-exported.
-from pivotrl_hpc.runtime.worker_spec import ParameterStore, RoleError, WorkerSpec  # noqa: F401
+from pivotrl_hpc.runtime.worker_spec import ParameterStore, RoleError, WorkerSpec
 
 log = logging.getLogger(__name__)
 

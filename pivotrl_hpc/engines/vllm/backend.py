@@ -58,7 +58,7 @@ def preload_vllm() -> None:
     def run() -> None:
         try:
             _import_vllm_modules()
-        except BaseException as exc:  # re-raised in the caller's thread below
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread below
             errors.append(exc)
 
     thread = threading.Thread(target=run, name="vllm-import")
