@@ -1,6 +1,6 @@
 """configs/genrm-heavy-cpu.yaml, the live job in the paper's regime (issue 40): it loads and
 validates with its task (judge prompts fit), and its drawn lengths have the paper's shape.
-The live figures are `pivotrl bench e2e --config configs/genrm-heavy-cpu.yaml` (NOTES)."""
+The live figures are `pivotrl bench e2e --config configs/genrm-heavy-cpu.yaml` (docs/design.md)."""
 from __future__ import annotations
 
 import argparse

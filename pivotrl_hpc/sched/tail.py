@@ -3,7 +3,7 @@
 Why. A step trains only once every sample of its batch is judged, and with staleness s the
 batch b+s+1 is admitted only when step b has published, so the run is bounded below by
 chains of single samples: the batch's longest response, then its judgement, each decoding
-at the per-token latency of the replica it sits on (NOTES, "Where shiftable's time goes").
+at the per-token latency of the replica it sits on (docs/design.md, "Calibration").
 A batch's judgements arrive as its responses finish, the longest last; Dispatch (Algorithm
 2) places them by the largest ΔT_i, beside a hundred others of their own and the next
 batches. Every token those hold is read again at each iteration (A·N_tok), and an MoE judge
