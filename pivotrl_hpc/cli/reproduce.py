@@ -231,7 +231,8 @@ def calibrate(args: argparse.Namespace) -> int:
             result = cal.fit(evaluate, {p: paper.FIG9[g][p] for p in cal.BASELINES}, start,
                              args.iterations, None if args.measured_jacobian else cal.PRIOR,
                              history)
-        except Exception as e:  # noqa: BLE001 - keep what was measured, say why
+        # a simulator failure, or ^C (SIGINT) ending a long fit: keep what was measured
+        except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - and say why
             error = f"{type(e).__name__}: {e}"
             print(f"calibrate: {g} stopped: {error}", file=sys.stderr)
             result = cal.best(history, start)
