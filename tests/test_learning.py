@@ -6,8 +6,8 @@ DAPO-schema parquet with chat-templated prompts, on the paper's reward R = R_DAP
 right "Answer: N", else -1) + R_GenRM (the tiny GenRM's yes/no, 1/0), so R lies in
 [-1, 2]. The models are `pivotrl init-models`' (the `warm_models` fixture): warm-started so
 that the policy writes the answer line about half of the time and is mostly right when it
-does; GRPO should make answering likelier, the reward rising by 0.2 or more (first 5 steps
--> last 5): not yet seen live on these models, so that test is an expected failure.
+does; GRPO makes answering likelier, the reward rising by 0.2 or more (first 5 steps ->
+last 5) under every paradigm.
 The control: the same run with rollout workers whose Reload never loads the weights
 (fault injected, tests/programs/no_reload): the policy that generates stays the warm start
 and the reward does not rise, so the rise needs the weights to flow
@@ -56,12 +56,9 @@ def test_the_reward_is_the_papers_sum_and_groups_differ(learned, paradigm):
     assert (steps["loss"] != 0).sum() >= STEPS // 4
 
 
-# Not seen live yet on the 16-problem warm start (97b3bd1) at lr 3e-4: a transformers-only
-# GRPO proxy of learn-cpu rose first 5 -> last 5 by +0.38 (lag 0) and +0.60 (lag 2); the old
-# warm start at lr 3e-3 did not (colocated -0.700 -> -0.506, disaggregated -0.575 -> -0.750,
-# shiftable -0.550 -> -0.394). R in [-1, 2], 32 samples a step: a 5-step mean's noise ~0.1.
-@pytest.mark.xfail(reason="issue 48: the rise of the new warm start (lr 3e-4) is not yet "
-                          "confirmed live under every paradigm", strict=False)
+# Live, 2026-12-07 (16-problem warm start, lr 3e-4, 2 spinners beside), first 5 -> last 5:
+# colocated 0.944 -> 1.469, disaggregated 0.675 -> 0.981, shiftable 0.706 -> 1.075
+# (R in [-1, 2], 32 samples a step: a 5-step mean's noise is ~0.1).
 @pytest.mark.parametrize("paradigm", PARADIGMS)
 def test_reward_rises_by_at_least_0_2(learned, paradigm):
     run = learned(paradigm)
@@ -95,9 +92,9 @@ def test_without_the_weight_flow_the_reward_does_not_rise(warm_models, tmp_path,
     assert last - first < 0.2
 
 
-@pytest.mark.xfail(reason="issue 48: until the rise is confirmed live under every paradigm "
-                   "(old warm start, lead 10:44: last-5 means colocated -0.219, "
-                   "disaggregated -0.750, shiftable -0.750)", strict=False)
+@pytest.mark.xfail(reason="issue 48: the staleness-2 paradigms learn, but behind colocated "
+                   "(live 12:50, last-5 means colocated 1.469, disaggregated 0.981, "
+                   "shiftable 1.075; 20-step means within 0.25)", strict=False)
 def test_shifting_does_not_change_what_is_learned(learned):
     """Per-step curves agree within noise: the last 5 steps' mean reward of every paradigm
     lies within 0.45 of the others', and so does each paradigm's mean over all 20 steps
