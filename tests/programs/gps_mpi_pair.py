@@ -46,7 +46,7 @@ def client_side(job: str, node: str, rank: int, model_dir: str, stop: int | None
             GPSClient(job, "n2").wait_version("policy", 1, timeout=120)
             os.kill(stop, signal.SIGCONT)
         report["version"] = handle.wait(120)
-        report["sources"] = c._notices[("policy", 1)]["sources"]
+        report["sources"] = c._chan.notices[("policy", 1)]["sources"]
     else:
         report["version"] = c.wait_version("policy", 1, timeout=120)
     got = c.read("policy")
