@@ -114,14 +114,15 @@ class MPITransport:
 
     def serve(self, src: int, msg: dict) -> None:
         from mpi4py import MPI
-        buf = self.exposed.get(tuple(msg["key"]))
+        key = tuple(msg["key"])   # a JSON list on the wire, the tuple it was exposed under
+        buf = self.exposed.get(key)
         if buf is None or self._nacks_left > 0:
             self._nacks_left -= buf is not None
             why = "fault injected" if buf is not None else "not exposed here (retired?)"
-            log.error("MPI data request from agent %d for %s refused: %s", src, msg["key"], why)
+            log.error("MPI data request from agent %d for %s refused: %s", src, key, why)
             mpi.send(self.comm, PEER_WIRE,
                      {"op": "mpi_nack", "first": msg["asks"][0][2] if msg["asks"] else None,
-                      "error": f"{msg['key']} refused by its holder: {why}"}, src, CTRL_TAG)
+                      "error": f"{key} refused by its holder: {why}"}, src, CTRL_TAG)
             return
         for off, n, tag in msg["asks"]:
             self.bytes_served[src] = self.bytes_served.get(src, 0) + n
