@@ -70,7 +70,8 @@ def test_a_train_steps_work_row_carries_the_trainers_own_seconds():
                             flush=lambda: None)
     ctl = SimpleNamespace(clock=SimpleNamespace(now=lambda: 5.0),
                           training=SimpleNamespace(devices=(0,)),
-                          cfg=SimpleNamespace(samples="none"))   # no texts: no task needed
+                          cfg=SimpleNamespace(samples="none"),   # no texts: no task needed
+                          flows={r: SimpleNamespace(tokens_total=0) for r in ("rollout", "reward")})
     samples = []
     for sid in range(2):
         s = Sample(sid, PromptData(0, (1, 2, 3), "p", "1"), 0, 4, Sampling(), response=[7, 8],
