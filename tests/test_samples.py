@@ -145,12 +145,14 @@ def test_a_validation_file_is_checked_whenever_set_and_unused_warns(tiny_models,
     bad = tmp_path / "val.jsonl"   # rows without reward_model
     bad.write_text(json.dumps({"prompt": [{"role": "user", "content": "1+1?"}],
                                "data_source": "x"}) + "\n")
+    from pivotrl_hpc.launch.preflight import load_checked   # what `pivotrl run` loads with
+
     for extra in (["rl.eval_every=0"], ["rl.eval_every=2"]):
         with pytest.raises(ConfigError, match="data.validation"):
-            load_config(ROOT / "configs" / "tiny-cpu.yaml",
-                        [*base, f"data.validation={bad}", *extra])
+            load_checked(ROOT / "configs" / "tiny-cpu.yaml",
+                         [*base, f"data.validation={bad}", *extra])
     with caplog.at_level(logging.WARNING, logger="pivotrl_hpc.task.task"):
-        load_config(ROOT / "configs" / "tiny-cpu.yaml", [*base, "rl.steps=2"])
+        load_checked(ROOT / "configs" / "tiny-cpu.yaml", [*base, "rl.steps=2"])
     assert "is set but never evaluated" in caplog.text and "rl.eval_every" in caplog.text
 
 
