@@ -34,9 +34,20 @@ def test_derived_port_base_avoids_the_ephemeral_range_for_every_job():
 def test_a_bound_range_is_not_offered():
     base = free_port_base(3)
     with socket.socket() as s:
-        s.bind(("127.0.0.1", base + 1))
-        assert not ports.port_free(base + 1)
+        s.bind(("127.0.0.1", base + 2))
+        assert not ports.port_free(base + 2)
         assert ports.port_free(base)
+
+
+def test_a_base_handed_out_is_not_handed_out_again(monkeypatch):
+    """Two launches at the same moment: the launcher keeps base + 1 bound, so a second
+    search over the same one-range window finds nothing (CI: two side-by-side jobs' trainers
+    on one base, EADDRINUSE)."""
+    base = free_port_base(3)
+    monkeypatch.setattr(ports, "aligned_window", lambda step: (base, base + 3 + step))
+    assert not ports.port_free(base + 1) and ports.port_free(base)
+    with pytest.raises(OSError, match="no range of 3 free TCP ports"):
+        ports.free_port_base(3, tries=5)
 
 
 @pytest.mark.parametrize("rng, window", [("32768 60999", (10000, 32768)),

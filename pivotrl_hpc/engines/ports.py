@@ -44,17 +44,35 @@ def aligned_window(step: int) -> tuple[int, int]:
     return -(-start // step) * step, end
 
 
+# Sockets bound on base + 1 of each range this process handed out, kept for its life.
+_RESERVED: list[socket.socket] = []
+
+
 def free_port_base(count: int, tries: int = 50) -> int:
     """A base port with `count` free ports above it (checked by binding each), outside the
-    ephemeral range."""
+    ephemeral range. Its base + 1 (a port no world of the job uses) stays bound by this
+    process, the launcher, for its life: two jobs launched at the same moment found the same
+    free base, and the second trainer's world failed with EADDRINUSE (CI, side-by-side jobs).
+    Another launcher's check of that range now fails on base + 1."""
     first, end = aligned_window(STEP)
     if end - count <= first:
         raise OSError(f"no window of {count} ports between {first} and {end}")
     for _ in range(tries):
         base = random.randrange(first, end - count, STEP)
-        if all(port_free(base + i) for i in range(count)):
+        if all(port_free(base + i) for i in range(count)) and _reserve(base + 1):
             return base
     raise OSError(f"no range of {count} free TCP ports found between {first} and {end}")
+
+
+def _reserve(port: int) -> bool:
+    s = socket.socket()
+    try:
+        s.bind(("127.0.0.1", port))   # bound, never listening: nothing can connect to it
+    except OSError:
+        s.close()
+        return False
+    _RESERVED.append(s)
+    return True
 
 
 def free_port() -> int:
