@@ -141,6 +141,34 @@ def test_cgroup_period_keeps_small_shares_exact():
         assert quota / period == pytest.approx(cores, rel=0.01)
 
 
+def test_agents_sharing_a_host_remove_the_jobs_cgroup_at_once():
+    """CI failure: two nodes' GPS agents on one host both ran `remove_job` at the end; one
+    listed the job's group after the other had removed it, FileNotFoundError failed a
+    completed job. Real cgroups: four removers start together, none may raise."""
+    for round_ in range(30):
+        job = f"rmrace{os.getpid()}-{round_}"
+        cgroup.check_writable(job)
+        d = cgroup._prepare_job(cgroup.find_root(), job)
+        for name in ("n0-d0", "n1-d1"):
+            (d / name).mkdir()
+        start, errors = threading.Barrier(4), []
+
+        def remove():
+            start.wait()
+            try:
+                cgroup.remove_job(job)
+            except OSError as e:
+                errors.append(e)
+
+        threads = [threading.Thread(target=remove) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        assert not d.exists()
+
+
 # ---- the CLI: checks before any process -------------------------------------------------------
 def _env(tmp_path: Path, controller: str = "query_all", **extra) -> dict[str, str]:
     fake_bin = tmp_path / "bin"

@@ -194,10 +194,13 @@ def remove_job(job: str, root: CpuRoot | None = None, wait_s: float = 0.0) -> li
     except CgroupError:
         return []
     d = job_dir(root, job)
-    if not d.is_dir():
+    try:
+        # the agents of nodes that share a host remove the same group at once
+        groups = sorted(p for p in d.iterdir() if p.is_dir())
+    except (FileNotFoundError, NotADirectoryError):
         return []
     removed = []
-    for group in [*sorted(p for p in d.iterdir() if p.is_dir()), d]:
+    for group in [*groups, d]:
         _wait_empty(group, wait_s)
         try:
             group.rmdir()
