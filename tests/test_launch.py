@@ -141,6 +141,14 @@ def test_cgroup_period_keeps_small_shares_exact():
         assert quota / period == pytest.approx(cores, rel=0.01)
 
 
+def _remove_at_once(job: str, start: threading.Barrier, errors: list) -> None:
+    start.wait()
+    try:
+        cgroup.remove_job(job)
+    except OSError as e:
+        errors.append(e)
+
+
 def test_agents_sharing_a_host_remove_the_jobs_cgroup_at_once():
     """CI failure: two nodes' GPS agents on one host both ran `remove_job` at the end; one
     listed the job's group after the other had removed it, FileNotFoundError failed a
@@ -152,15 +160,8 @@ def test_agents_sharing_a_host_remove_the_jobs_cgroup_at_once():
         for name in ("n0-d0", "n1-d1"):
             (d / name).mkdir()
         start, errors = threading.Barrier(4), []
-
-        def remove():
-            start.wait()
-            try:
-                cgroup.remove_job(job)
-            except OSError as e:
-                errors.append(e)
-
-        threads = [threading.Thread(target=remove) for _ in range(4)]
+        threads = [threading.Thread(target=_remove_at_once, args=(job, start, errors))
+                   for _ in range(4)]
         for t in threads:
             t.start()
         for t in threads:

@@ -279,27 +279,33 @@ def _admission_versions(rows) -> list[str]:
     return out
 
 
-def _executed_downs(plan: dict) -> list[str]:
-    """The replicas an executed planner row shifted down (its chosen candidate's)."""
-    cands, chosen = plan["candidates"], plan["chosen"]
-    if not plan["executed"] or not 0 <= chosen < len(cands):
+def _executed_downs(plan: dict, keep_training: bool = False) -> list[str]:
+    """The replicas an executed planner row shifted down (its chosen candidate's; the
+    trainer, `training`, only with `keep_training`)."""
+    cands, chosen = plan.get("candidates", []), plan.get("chosen", -1)
+    if not plan.get("executed") or not 0 <= chosen < len(cands):
         return []
-    return [r for r in cands[chosen].get("shift_down", []) if r != "training"]
+    return [r for r in cands[chosen].get("shift_down", [])
+            if keep_training or r != "training"]
 
 
 def roles(rows, meta, summary, _schema) -> list[str]:
     """A device holds one role at a time: shifted up only when idle, down only from the
     role it holds (shifts rows in the order written). A multi-device shift down's row comes
     when its last device answered; a device that answered first may be up in its next role
-    before it: allowed when that down's plan started before the up ended."""
+    before it: allowed when that down's plan started before the up ended, or, where the
+    trace ends before that row (a job stopped with the down in flight), when the up's own
+    executed plan shifts the held replica down."""
     shifts = rows["shifts"]
-    plan_t = {p["plan_id"]: p["t"] for p in rows["planner"]}
-    held: dict[int, str] = {}
+    plans = {p["plan_id"]: p for p in rows["planner"]}
+    plan_t = {i: p["t"] for i, p in plans.items()}
+    held: dict[int, dict] = {}            # device -> the up row of the replica it holds
     early: set[tuple[int, int]] = set()   # (row index of a down, device) already let go
     out = []
     for i, s in enumerate(shifts):
         for d in devices_of(s["devices"]):
-            now = held.get(d, "")
+            up = held.get(d)
+            now = up["role"] if up else ""
             if s["direction"] == "down" and (i, d) in early:
                 continue
             if s["direction"] == "up" and now:
@@ -307,11 +313,19 @@ def roles(rows, meta, summary, _schema) -> list[str]:
                 if j is not None:
                     early.add((j, d))
                     now = ""
+                elif (_last_row_of(shifts, i, d) and up["replica"]
+                      in _executed_downs(plans.get(s["plan_id"], {}), keep_training=True)):
+                    now = ""
             if s["direction"] == "up" and now or s["direction"] == "down" and now != s["role"]:
                 out.append(f"device {d}: shift {s['direction']} {s['role']} at {s['t']:.3f} "
                            f"while it holds {now or 'nothing'}")
-            held[d] = s["role"] if s["direction"] == "up" else ""
+            held[d] = s if s["direction"] == "up" else None
     return out
+
+
+def _last_row_of(shifts: list[dict], i: int, device: int) -> bool:
+    """No shifts row after row `i` touches `device` (the trace ends first)."""
+    return all(device not in devices_of(s["devices"]) for s in shifts[i + 1:])
 
 
 def _releasing_down(shifts: list[dict], i: int, device: int, role: str,
