@@ -44,6 +44,9 @@ OVERRIDES = [f"rl.steps={STEPS}", "rl.checkpoint_every=2", "rl.batch_size=4"]
 # and shiftable moves training down only now and then; it ends before the requeued job,
 # which it runs beside
 SUBMITIT_STEPS = 12
+# the preempted job runs longer too: the urgent job is submitted after its 3rd step, and
+# Slurm's preemption must reach it before it ends (a busy node answers the submit slowly)
+PREEMPTED_STEPS = 10
 PER_STEP = 4 * 4     # rl.batch_size x learn-cpu's rl.group_size
 
 
@@ -175,7 +178,8 @@ def _preempted(cluster, models: Path, tmp: Path) -> Callable[[], dict]:
     folder = tmp / "preempted"
     job = submit_pivot(cluster, folder, ["--gres=gpu:4", "--time=30", "-w", "n1"],
                        LEARN, [*model_overrides(models), *OVERRIDES, "rl.checkpoint_every=0",
-                               "rl.preempt_grace_s=90", "paradigm.name=colocated"])
+                               "rl.preempt_grace_s=90", "paradigm.name=colocated",
+                               f"rl.steps={PREEMPTED_STEPS}"])
     run = folder / "runs" / f"pivotrl-{job}"
 
     def drive() -> dict:
@@ -269,7 +273,7 @@ def test_preempted_job_checkpoints_in_its_grace_time_is_requeued_and_resumes_the
     assert "after a stop signal" in res.output and "requeued: it resumes from there" in \
         res.output, res.output[-3000:]
     assert r["restarts"] == 1
-    segs = _check_segments(r["trace"], 2)
+    segs = _check_segments(r["trace"], 2, PREEMPTED_STEPS)
     assert segs[0]["meta"]["paradigm"] == "colocated" and segs[1]["training_down"] >= 1
     # the grace-time checkpoint is the one the second start resumed from
     assert Path(segs[1]["meta"]["resumed_from"]).name == f"step-{segs[0]['steps'][-1] + 1:06d}"
