@@ -22,8 +22,9 @@ log = logging.getLogger(__name__)
 
 # What must not change between a checkpoint and the job resuming it: the batches would mean
 # something else. (rl.steps may grow: a run can be extended.)
+# partial rollout too: its pending samples carry deadlines, not the paper's batches
 FIXED_KEYS = ("rl.batch_size", "rl.group_size", "rl.seed", "rl.staleness", "data.train",
-              "models.policy.path")
+              "models.policy.path", "paradigm.partial_rollout")
 
 
 def check_fixed(state: Mapping[str, Any], fixed: Mapping[str, Any], where: str) -> None:

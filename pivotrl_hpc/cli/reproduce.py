@@ -20,7 +20,8 @@ import sys
 import time
 from pathlib import Path
 
-FIGURES = ("fig9", "fig10", "fig3", "fig11", "fig13", "fig14", "table2", "beyond", "tail")
+FIGURES = ("fig9", "fig10", "fig3", "fig11", "fig13", "fig14", "table2", "beyond", "tail",
+           "partial")
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -111,7 +112,8 @@ def main(args: argparse.Namespace) -> int:
     results: dict = {}
     fig11_groups = tuple(g for g in paper.FIG11 if g in groups)
     calls = {"fig9": lambda: lab.fig9(tuple(groups)), "fig11": lambda: lab.fig11(fig11_groups),
-             "tail": lambda: lab.tail(tuple(groups))}
+             "tail": lambda: lab.tail(tuple(groups)),
+             "partial": lambda: lab.partial(tuple(groups))}
     for name in FIGURES:   # fig9 first: fig3 and fig11 use its splits and baselines
         if name in only and (name != "fig11" or fig11_groups):
             results[name] = calls.get(name, getattr(lab, name))()
@@ -159,12 +161,14 @@ def summary(results: dict, out: Path) -> str:
         lines.append("  Beyond the paper (online fit over the fixed-constant planner): "
                      + ", ".join(f"{n} {v:.3f}x" for n, v in over.items())
                      + f" (goal {results['beyond']['goal']}x)")
-    if "tail" in results:
-        t = results["tail"]
-        lines.append(f"  Beyond the paper ({t['lever']}; PivotRL as the paper -> with it): "
-                     + ", ".join(f"{g['title']} {g['paper_mean']:.0f} -> {g['tail_mean']:.0f} "
-                                 f"{g['ratio']:.3f}x" for g in t["groups"].values())
-                     + f" (goal {t['goal']}x)")
+    for name in ("tail", "partial"):
+        if name in results:
+            t = results[name]
+            lines.append(f"  Beyond the paper ({t['lever']}; PivotRL as the paper -> with it): "
+                         + ", ".join(f"{g['title']} {g['paper_mean']:.0f} -> "
+                                     f"{g[name + '_mean']:.0f} {g['ratio']:.3f}x"
+                                     for g in t["groups"].values())
+                         + f" (goal {t['goal']}x)")
     return "\n".join(lines)
 
 
@@ -246,7 +250,8 @@ def calibrate(args: argparse.Namespace) -> int:
                         f"`record` is not loaded.\n" + yaml.safe_dump(doc, sort_keys=False))
         out[g] = {"params": result.params, "implied": cal.implied(result.params),
                   "ours": result.ours, "residuals": result.residuals,
-                  "within_tolerance": result.ok, "wall_s": settings["wall_s"],
+                  "within_tolerance": result.ok, "end": result.end,
+                  "converged": result.converged, "wall_s": settings["wall_s"],
                   "file": str(path), "error": error}
     print(json.dumps(out, indent=1))
     return 0 if all(o["within_tolerance"] and not o["error"] for o in out.values()) else 1

@@ -152,6 +152,10 @@ class ParadigmConfig:
     # reward (its longest responses') each decode on a replica emptied for it. 0: off,
     # Dispatch as the paper.
     tail_isolation: int = 0
+    # Beyond the paper (sched/partial.py): a step trains the complete GRPO groups due first,
+    # each by its deadline (admission version + rl.staleness), not the batch fixed at
+    # admission; unfinished ones run on into a later step. False: the paper's batches.
+    partial_rollout: bool = False
 
 
 @dataclass

@@ -116,7 +116,8 @@ def build_controller(cfg: Config, devices: Devices, clock, trace,
                   group_size=cfg.rl.group_size, staleness=cfg.rl.staleness,
                   lengths=lengths(cfg), temperature=cfg.rl.temperature, seed=cfg.rl.seed,
                   keep_trained=False, eval_samples=cfg.rl.eval_samples,
-                  eval_temperature=cfg.rl.eval_temperature)
+                  eval_temperature=cfg.rl.eval_temperature,
+                  partial=cfg.paradigm.partial_rollout)
     policy = make_paradigm_policy(cfg)
     tau = TauTracker(initial_tau(cfg))
     if cfg.paradigm.measured_tau:

@@ -327,12 +327,12 @@ class Controller:
             return
         if self.stop_reason is not None:   # the job ends at the checkpoint just written
             return
-        samples = self.book.batch_samples(self.step)
+        samples = self.book.form(self.step)   # partial rollout chooses its groups here
         batch = TrainBatch(tuple(s.prompt.prompt_ids for s in samples),
                            tuple(tuple(s.response) for s in samples),
                            tuple(tuple(s.logprobs) for s in samples),
                            tuple(s.score.reward for s in samples),
-                           tuple(s.prompt.pid for s in samples))
+                           self.book.group_ids(samples))
         tr.active, tr.samples = True, len(samples)
         step, t0 = self.step, self.clock.now()
         self.devices.send(tr.devices, TrainStep(batch, publish=True),

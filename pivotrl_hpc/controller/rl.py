@@ -6,7 +6,10 @@ and the policy trained on it. Prompt i lands in batch `i // batch_size` (the bat
 b trains policy version b into b + 1), and its rollout starts only when that batch is at
 most k versions ahead of the oldest policy any rollout replica serves. So every trained
 sample has lag <= k and no generated sample is ever discarded; the burst admitted after each
-step is what drives the shifts. Pure: no I/O, no clocks (times are passed in).
+step is what drives the shifts. With `partial` (beyond the paper, sched/partial.py) the
+same count is admitted, but a group's step is chosen when it is formed, from the complete
+groups, by each group's deadline (its admission version + k). Pure: no I/O, no clocks
+(times are passed in).
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
 from pivotrl_hpc.protocol.engine import Sampling
+from pivotrl_hpc.sched.partial import Group, deadline, form_batch
 from pivotrl_hpc.task.types import PromptData, Score  # the loop's vocabulary
 
 
@@ -35,7 +39,9 @@ class Sample:
     """One response of a GRPO group, from admission to training."""
     sid: int
     prompt: PromptData
-    batch: int                       # the step it trains in; validation after step s: -1 - s
+    # the step it trains in (partial rollout: the last it may, until its step is formed);
+    # validation after step s: -1 - s
+    batch: int
     budget: int                      # max new tokens
     sampling: Sampling
     judge_budget: int = 0
@@ -46,6 +52,7 @@ class Sample:
     judgement: list[int] = field(default_factory=list)
     score: Score | None = None
     state: str = "admitted"          # admitted, rolled, rewarded, trained
+    group: int = -1                  # its prompt's admission index (validation: -1)
 
     @property
     def tokens(self) -> int:
@@ -74,12 +81,13 @@ class RLBook:
     def __init__(self, prompts: Sequence[PromptData], *, steps: int, batch_size: int,
                  group_size: int, staleness: int, lengths: Lengths, temperature: float,
                  seed: int = 0, keep_trained: bool = True, eval_samples: int = 1,
-                 eval_temperature: float = 0.0) -> None:
+                 eval_temperature: float = 0.0, partial: bool = False) -> None:
         self.prompts, self.steps = list(prompts), steps
         self.batch_size, self.group_size, self.staleness = batch_size, group_size, staleness
         self.lengths, self.temperature = lengths, temperature
         self.rng = random.Random(seed)
         self.eval_samples, self.eval_temperature = eval_samples, eval_temperature
+        self.partial = partial             # partial rollout (sched/partial.py)
         self.samples: dict[int, Sample] = {}
         # False (a job): a trained sample is dropped, else the book grows by a batch a step
         # (20 MB over 200 tiny steps, `pivotrl bench soak`); tests keep them to inspect
@@ -106,7 +114,9 @@ class RLBook:
             if per_batch and self._oldest_open() < batch:
                 break
             prompt = self.prompts[self.next_prompt % len(self.prompts)]
-            out += self._group(prompt, batch)
+            # partial rollout: trained by its deadline, in a step chosen when formed
+            out += self._group(prompt, deadline(gen_version, self.staleness)
+                               if self.partial else batch)
             self.next_prompt += 1
         blocked = self.next_prompt < total and self._stale(gen_version)
         if blocked and self._held_since is None:
@@ -122,7 +132,9 @@ class RLBook:
         """The oldest batch with a sample not judged yet (inf: none). Cached until a sample
         is admitted or judged: admission asks every loop turn."""
         if self._open is None:
-            self._open = min((s.batch for s in self.samples.values()
+            # partial rollout: a sample's batch is its deadline; the cycle is by admission
+            self._open = min((self.batch_of(s.group) if self.partial else s.batch
+                              for s in self.samples.values()
                               if s.batch >= 0 and s.state in ("admitted", "rolled")),
                              default=math.inf)
         return self._open
@@ -140,6 +152,7 @@ class RLBook:
             sampling = Sampling(temperature=self.temperature, seed=self.rng.randrange(2**31),
                                 ignore_eos=L.mode == "budget")
             group.append(self._new(prompt, batch, budget, sampling))
+            group[-1].group = self.next_prompt
         return group
 
     def validation(self, prompts: Sequence[PromptData]) -> list[Sample]:
@@ -188,12 +201,42 @@ class RLBook:
         if (step >= self.steps or self.batch_of(self.next_prompt - 1) < step
                 or self.next_prompt == 0):
             return False
+        if self.partial:
+            return self._formable(step) is not None
         members = self.batch_samples(step)
         return len(members) == self.batch_size * self.group_size and all(
             s.state == "rewarded" for s in members)
 
     def batch_samples(self, step: int) -> list[Sample]:
         return sorted((s for s in self.samples.values() if s.batch == step), key=lambda s: s.sid)
+
+    def form(self, step: int) -> list[Sample]:
+        """The samples step `step` trains, once `batch_ready(step)`: the paper's batch, or
+        (partial rollout) the groups chosen now, which from here on belong to `step`."""
+        if self.partial:
+            chosen = set(self._formable(step) or ())
+            if not chosen:
+                raise RuntimeError(f"step {step} formed before its batch was ready")
+            for s in self.samples.values():
+                if s.group in chosen and s.batch >= 0:
+                    s.batch = step
+        return self.batch_samples(step)
+
+    def group_ids(self, samples: Sequence[Sample]) -> tuple[int, ...]:
+        """The trainer's GRPO groups: the prompt's id (the paper's batch holds consecutive
+        prompts); partial rollout's may hold a prompt twice when the dataset is shorter than
+        k + 1 batches, so each admitted group is its own."""
+        return tuple(s.group if self.partial else s.prompt.pid for s in samples)
+
+    def _formable(self, step: int) -> list[int] | None:
+        """Partial rollout: the groups step `step` would train now (sched/partial.py)."""
+        groups: dict[int, list[Sample]] = {}
+        for s in self.samples.values():
+            if s.batch >= 0 and s.state != "trained":
+                groups.setdefault(s.group, []).append(s)
+        return form_batch([Group(g, min(s.batch for s in m), len(m) == self.group_size and all(
+            s.state == "rewarded" for s in m)) for g, m in groups.items()], step,
+            self.batch_size)
 
     def trained(self, step: int) -> list[Sample]:
         members = self.batch_samples(step)

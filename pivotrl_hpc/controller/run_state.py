@@ -59,7 +59,7 @@ def restore(ctl, state: Mapping[str, Any]) -> list:
 def _sample_to_json(s) -> dict[str, Any]:
     out = {k: getattr(s, k) for k in ("sid", "batch", "budget", "judge_budget", "response",
                                       "logprobs", "version", "judge_prompt", "judgement",
-                                      "state")}
+                                      "state", "group")}
     out["pid"] = s.prompt.pid
     out["sampling"] = dataclasses.asdict(s.sampling)
     out["score"] = None if s.score is None else dataclasses.asdict(s.score)
@@ -75,7 +75,8 @@ def _sample_from_json(d: Mapping[str, Any], prompts: Mapping[int, Any]):
     return Sample(int(d["sid"]), prompts[d["pid"]], int(d["batch"]), int(d["budget"]),
                   sampling, int(d["judge_budget"]), list(d["response"]), list(d["logprobs"]),
                   d["version"], list(d["judge_prompt"]), list(d["judgement"]),
-                  None if d["score"] is None else Score(**d["score"]), d["state"])
+                  None if d["score"] is None else Score(**d["score"]), d["state"],
+                  int(d.get("group", -1)))   # -1: a checkpoint from before partial rollout
 
 
 def _rng_to_json(state: tuple) -> list:

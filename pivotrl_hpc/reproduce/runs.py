@@ -171,8 +171,9 @@ def _entry(cache: str | None, cfg, constants, fractions: bool,
         m.pop("path", None)
     d["data"].pop("train", None)
     d["data"].pop("validation", None)
-    if not d["paradigm"].get("tail_isolation"):   # off (the paper): the keys runs had before
-        d["paradigm"].pop("tail_isolation", None)
+    for lever in ("tail_isolation", "partial_rollout"):   # off (the paper): keys as before
+        if not d["paradigm"].get(lever):
+            d["paradigm"].pop(lever, None)
     parts = {"v": CACHE_VERSION, "config": d, "constants": constants.to_dict(),
              "fractions": fractions}
     if planner:
