@@ -50,12 +50,11 @@ def form_batch(groups: Sequence[Group], step: int, size: int) -> list[int] | Non
     if sum(g.deadline == step for g in groups) > size:
         raise ValueError(f"step {step} has more than {size} groups due: admission broke "
                          "the staleness bound's count")
-    if any(g.deadline == step and not g.complete for g in groups):
-        return None
     ready = sorted((g for g in groups if g.complete), key=lambda g: (g.deadline, g.gid))
     if len(ready) < size:
         return None
     chosen = {g.gid for g in ready[:size]}
+    # a group due now left out (not complete) leaves step `step` itself infeasible
     if not feasible([g for g in groups if g.gid not in chosen], step, size):
         return None
     return sorted(chosen)
