@@ -112,17 +112,17 @@ def test_lag_never_exceeds_k_whatever_order_the_groups_finish_in():
         assert sorted(g for t in trained for g in t) == list(range(b.steps * b.batch_size))
 
 
-def _simulated(partial: bool, tmp_path: Path):
+def _simulated(partial: bool, tmp_path: Path, paradigm: str = "shiftable"):
     from pivotrl_hpc.sim.profile import H20
     from pivotrl_hpc.sim.run import SimConstants, simulate
     from pivotrl_hpc.sim.standin import stand_in
     from pivotrl_hpc.trace import open_trace
 
     cfg, _ = stand_in(load_config(GROUP, [
-        "paradigm.name=shiftable", "rl.steps=5", "rl.batch_size=2", "rl.group_size=4",
+        f"paradigm.name={paradigm}", "rl.steps=5", "rl.batch_size=2", "rl.group_size=4",
         "workload.rollout_median=300", "workload.genrm_median=200",
         f"paradigm.partial_rollout={str(partial).lower()}"], check_files=False), tmp_path)
-    path = tmp_path / f"partial_{partial}.h5"
+    path = tmp_path / f"{paradigm}_partial_{partial}.h5"
     simulate(cfg, replace(SimConstants.from_profile(cfg, H20), train_s=30.0), path)
     assert_trace_ok(path)
     with open_trace(str(path)) as t:
@@ -145,6 +145,15 @@ def test_simulated_partial_rollout_trains_finished_groups_early_within_the_bound
     # the three batches admitted against v0 are all due at step 2 (the paper: 0, 1, 2)
     assert set(_admitted(seq)[:24]) == {2}
     assert sorted(set(_admitted(paper_seq)[:24])) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("paradigm", ["colocated", "disaggregated", "rr_colocated"])
+def test_every_paradigm_keeps_the_bound_with_partial_rollout(tmp_path, paradigm):
+    """The option is the book's, under every paradigm's policy: all steps train, `trace
+    check` holds (lag <= k at admission and at training)."""
+    _, steps = _simulated(True, tmp_path, paradigm)
+    assert len(steps["step"]) == 5 and max(steps["max_lag"]) <= 2
+    assert list(steps["samples"]) == [8] * 5
 
 
 def _admitted(seq) -> list[int]:
