@@ -68,6 +68,36 @@ def test_the_fit_reaches_the_papers_baselines_from_the_datasheet(jacobian):
         sum(math.log1p(v) ** 2 for v in h["residuals"].values()) for h in fit.history)
     # what is written is what was evaluated: 4 significant digits
     assert all(v == float(f"{v:.4g}") for v in fit.params.values())
+    # it says which end it reached, and the probe that shows it
+    assert fit.end == cal.WITHIN and fit.converged
+    assert f"probe {len(fit.history) - 1} is within" in fit.why
+
+
+def test_a_fit_whose_steps_run_out_says_it_has_not_converged():
+    evaluate, calls = law({"policy_scale": 1.6, "genrm_scale": 3.0, "train_scale": 1.2})
+    fit = cal.fit(evaluate, TARGET, {k: 1.0 for k in cal.FREE}, steps=1, jacobian=cal.PRIOR)
+    assert len(calls) == 2 and not fit.ok
+    assert fit.end == cal.ITERATIONS and not fit.converged and "not converged" in fit.why
+
+
+def test_a_fit_at_its_least_squares_optimum_ends_with_no_further_improvement():
+    """Two baselines that every factor moves alike but whose bars differ by 2x: no point is
+    within 10 %, the fit settles at the least-squares compromise (about +-41 %) and ends
+    there with no further improvement, no factor at a bound, before its steps run out."""
+    ws = (0.3, 0.6, 0.1)
+
+    def evaluate(x):
+        t = sum(w * x[k] for w, k in zip(ws, cal.FREE))
+        return {"colocated": 2 * TARGET["colocated"] / t,
+                "disaggregated": TARGET["disaggregated"] / t,
+                "rr_colocated": 1.41 * TARGET["rr_colocated"] / t}
+    fit = cal.fit(evaluate, TARGET, {k: 1.0 for k in cal.FREE}, steps=20,
+                  jacobian=cal.PRIOR)
+    assert fit.end == cal.NO_IMPROVEMENT and fit.converged and not fit.ok
+    assert len(fit.history) < 1 + 20
+    assert fit.residuals["colocated"] == pytest.approx(0.41, abs=0.03)
+    assert fit.residuals["disaggregated"] == pytest.approx(-0.29, abs=0.03)
+    assert "settled" in fit.why and f"probe {len(fit.history) - 1}" in fit.why
 
 
 def test_the_fit_stops_at_once_when_the_start_is_within_tolerance():
@@ -90,6 +120,7 @@ def test_an_interrupted_fit_keeps_what_it_measured():
         cal.fit(failing, TARGET, {k: 1.0 for k in cal.FREE}, steps=3, history=history)
     got = cal.best(history, {})
     assert len(history) == 2 and got.params in [h["params"] for h in history]
+    assert got.end == cal.INTERRUPTED and not got.converged
     empty = cal.best([], {k: 1.23456 for k in cal.FREE})
     assert empty.params == {k: 1.235 for k in cal.FREE} and not empty.ok
 
@@ -113,6 +144,19 @@ def test_every_point_is_one_an_h20_can_run_and_the_fit_stops_at_its_bounds():
         assert cal.MFU_RANGE[0] <= eff["train_mfu"] <= cal.MFU_RANGE[1]
     assert fit.params == {k: lo for k, (lo, _) in cal.LIMITS.items()}
     assert len(calls) < 1 + 8 and not fit.ok
+    # it ended because no point inside the bounds comes closer, and says every factor is
+    # pinned at the bound of the H20's limit
+    assert fit.end == cal.NO_IMPROVEMENT and fit.converged
+    assert "every factor's lower bound" in fit.why
+    assert cal.pinned(fit.params) == {
+        "policy_scale": "lower bound (policy decode at 85% of peak HBM)",
+        "genrm_scale": "lower bound (GenRM decode at 85% of peak HBM)",
+        "train_scale": "lower bound (training at 60% MFU)"}
+    # the corner is an end only where every residual points past it: the same corner with
+    # one baseline inside 10 % goes on stepping (here: nothing left to step, the bounds)
+    mixed = cal.fit(lambda x: {**evaluate(x), "colocated": TARGET["colocated"]}, TARGET,
+                    dict(fit.params), steps=3, jacobian=cal.PRIOR)
+    assert mixed.end == cal.NO_IMPROVEMENT and "every factor's" not in mixed.why
     # a start outside the limits (the 1.5B group's old 0.42 / 0.36) is clipped first
     first = cal.fit(evaluate, TARGET, {"policy_scale": 0.42, "genrm_scale": 0.36,
                                        "train_scale": 9.0}, steps=0).history[0]["params"]
@@ -149,6 +193,12 @@ def test_each_shipped_calibration_is_inside_what_an_h20_can_do(group):
                                           for v in rec["residuals"].values())
     assert rec["within_tolerance"] or rec["unexplained"]
     assert rec["settings"]["steps"] == STEPS
+    # which end the fit reached, and the factors it leaves at a bound
+    conv = rec["convergence"]
+    assert conv["end"] in (cal.WITHIN, cal.NO_IMPROVEMENT, cal.ITERATIONS, cal.INTERRUPTED)
+    assert conv["converged"] == (conv["end"] in (cal.WITHIN, cal.NO_IMPROVEMENT))
+    assert conv["pinned"] == cal.pinned(doc["calibration"]) and conv["why"]
+    assert (conv["end"] == cal.WITHIN) == rec["within_tolerance"]
 
 
 def _written(tmp_path: Path, group: str = G7) -> tuple[Path, dict]:
@@ -174,6 +224,9 @@ def test_the_calibration_file_records_fit_residuals_and_sources(tmp_path):
     assert set(rec["sources"]) >= {"hardware", "shift seconds", "targets", "workload",
                                    "rl.batch_size"}
     assert doc["calibration"]["shift_up_s_reward"] == cal.FIXED[G7].shifts["reward"][0]
+    assert rec["convergence"] == {"converged": True, "end": cal.WITHIN,
+                                  "why": rec["convergence"]["why"], "pinned": {}}
+    assert [h["probe"] for h in rec["history"]] == list(range(len(rec["history"])))
 
 
 def test_a_config_s_own_keys_win_over_its_include_and_the_command_line_over_both(

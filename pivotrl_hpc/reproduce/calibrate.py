@@ -14,11 +14,17 @@ The fit is a bounded Gauss-Newton iteration in log space on the three residuals 
 paper): every factor stays where an H20 can run (`LIMITS`: decode at most 85 % of peak HBM
 bandwidth, training at 15-60 % MFU; `implied` turns factors into those efficiencies), a
 factor at its bound that the step would push past is held there (an active set), and the
-iteration goes on until every baseline is within TOLERANCE or a step no longer improves the
-fit (a worse point halves the trust radius; the radius below MIN_RADIUS, or a step the
-bounds leave empty, ends it). Its Jacobian starts from PRIOR and Broyden's rule corrects
-it, so a group costs one run set a step. `evaluate` is injected, so the fit itself is
-tested without a simulator.
+iteration goes on until it converges at one of two ends (`Fit.end`, recorded with the
+probes that show it): WITHIN, every baseline within TOLERANCE; or NO_IMPROVEMENT, no step
+improves the fit inside the bounds: the bounded step is empty (every factor it would move is
+held at a bound), or a step improved the fit by less than FTOL (it has settled), or the
+steps from the best point kept making it worse (each halves the trust radius) until the
+radius is below MIN_RADIUS, or a probe sits at the corner of the
+bounds every residual points past (every cost the least an H20 allows and every baseline
+still too slow, or the reverse). A fit whose steps run out first (ITERATIONS) or that is
+stopped (INTERRUPTED) has not converged, and its record says so. Its Jacobian starts from
+PRIOR and Broyden's rule corrects it, so a group costs one run set a step. `evaluate` is
+injected, so the fit itself is tested without a simulator.
 """
 from __future__ import annotations
 
@@ -27,6 +33,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from pivotrl_hpc.reproduce import paper
+# the group's inputs, here too for callers and tests (cal.FIXED[group])
+from pivotrl_hpc.reproduce.calibrate_inputs import FIXED, SOURCES, UNEXPLAINED, Fixed  # noqa: F401
 from pivotrl_hpc.sim.measure import DRAIN_STEPS, FILL_STEPS, RUN_STEPS
 from pivotrl_hpc.sim.profile import H20
 
@@ -35,6 +43,7 @@ FREE = ("policy_scale", "genrm_scale", "train_scale")
 TOLERANCE = 0.10          # Figure 9's baselines within 10 % (issue 50)
 MAX_LOG_STEP = math.log(4.0)
 MIN_RADIUS = 0.02         # a trust radius (log) below this: no further improvement
+FTOL = 0.01               # a step that improves the squared log residuals less: settled
 PERTURB = 1.5             # finite-difference factor of the Jacobian
 
 # What the datasheet derivation (sim/profile.py) already assumes: decode at ETA_MEM of the
@@ -85,67 +94,6 @@ LIMITS = _limits()
 Evaluate = Callable[[dict[str, float]], dict[str, float]]
 
 
-@dataclass(frozen=True)
-class Fixed:
-    """A group's fixed numbers: assumptions (the paper does not state them) and Figure 12's
-    shift seconds (read off the figure, within §8.5's stated ranges)."""
-    batch_size: int = 32             # prompts a step (x rl.group_size 16 samples)
-    rollout_median: int = 650
-    rollout_sigma: float = 1.0
-    genrm_median: int = 5000
-    genrm_sigma: float = 0.8
-    judge_prompt_ratio: float = 1.0  # judge prompt = template + problem + the response
-    # (up, down) seconds per role, Figure 12
-    shifts: dict[str, tuple[float, float]] = field(default_factory=dict)
-
-    def overrides(self) -> list[str]:
-        return [f"rl.batch_size={self.batch_size}",
-                f"workload.rollout_median={self.rollout_median}",
-                f"workload.rollout_sigma={self.rollout_sigma}",
-                f"workload.genrm_median={self.genrm_median}",
-                f"workload.genrm_sigma={self.genrm_sigma}",
-                f"workload.judge_prompt_ratio={self.judge_prompt_ratio}",
-                *(f"calibration.shift_{way}_s_{role}={s[i]}"
-                  for role, s in self.shifts.items() for i, way in enumerate(("up", "down"))),
-                *(f"paradigm.shift_seconds_{role}={s[0]}" for role, s in self.shifts.items())]
-
-
-# Figure 12: inference shift up ~1 s (Qwen2.5-1.5B) to ~9 s (Qwen3.5-122B-A10B), down
-# below 2 s; training up ~2 s to 8.5 s, down below 6 s; Figure 13's text for the 7B group
-# (Qwen2.5-7B up 2-3 s, Qwen3-30B-A3B 3-4 s, downs below 2 s). Values read per model size.
-FIXED = {
-    "qwen2.5-1.5b_glm-z1-9b": Fixed(shifts={"rollout": (1.0, 0.5), "reward": (3.0, 1.0),
-                                            "training": (2.0, 1.5)}),
-    "qwen2.5-7b_qwen3-30b-a3b": Fixed(shifts={"rollout": (2.5, 1.0), "reward": (3.5, 1.5),
-                                              "training": (3.0, 2.5)}),
-    "qwen2.5-32b_qwen3-30b-a3b": Fixed(shifts={"rollout": (5.0, 1.5), "reward": (3.5, 1.5),
-                                               "training": (5.5, 4.0)}),
-    "qwen2.5-72b_qwen3.5-122b-a10b": Fixed(shifts={"rollout": (7.5, 2.0),
-                                                   "reward": (9.0, 2.0),
-                                                   "training": (8.5, 6.0)}),
-}
-
-SOURCES = {
-    "hardware": "NVIDIA H20 96 GB datasheet (4.0 TB/s HBM3, 148 TFLOP/s bf16) and PCIe "
-                "63 GB/s (paper §5.1, §8.1); sim/profile.py's efficiency factors",
-    "models": "each model's HF config (layers, heads, experts): sim/standin.py cards",
-    "splits": "paper Table 4 (the paper configs' train_devices and initial_* devices)",
-    "caps": "paper §8.1: prompt 2K, response 15K, judgement 20K tokens",
-    "group_size, staleness": "16 samples a prompt (config), staleness 2 (paper §8.1, App. E)",
-    "shift seconds": "paper Figure 12 read per model size (§8.5: inference up 1-9 s, down "
-                     "< 2 s; training up 2-8.5 s, down < 6 s; Figure 13 text for 7B/30B)",
-    "targets": "paper Figure 9 (reproduce/paper.py), colocated / disaggregated / "
-               "rr_colocated bars",
-    "rl.batch_size": "assumption (the paper does not state prompts a step)",
-    "workload": "assumption: log-normal lengths, responses median 650 (sigma 1.0), "
-                "judgements median 5000 (sigma 0.8), judge prompt = template + response "
-                "(issue 39's shape: judging reads the response, then thinks longer)",
-    "policy_scale, genrm_scale, train_scale": "fitted: effective cost over the datasheet "
-                                              "derivation (A-D and prefill; training "
-                                              "seconds a token)",
-}
-
-
 def residuals(ours: dict[str, float], target: dict[str, float]) -> dict[str, float]:
     """ours / paper - 1 per baseline."""
     return {p: ours[p] / target[p] - 1.0 for p in BASELINES}
@@ -176,16 +124,27 @@ def _solve(jac: list[list[float]], rhs: list[float]) -> list[float]:
     return [a[i][n] / a[i][i] for i in range(n)]
 
 
+# How a fit ended (`Fit.end`): the first two are convergence in issue 50's sense
+WITHIN, NO_IMPROVEMENT = "within_tolerance", "no_further_improvement"
+ITERATIONS, INTERRUPTED = "iterations_spent", "interrupted"   # not converged
+
+
 @dataclass
 class Fit:
     params: dict[str, float]
     ours: dict[str, float]
     residuals: dict[str, float]
     history: list[dict] = field(default_factory=list)   # every evaluated point
+    end: str = ""        # WITHIN, NO_IMPROVEMENT, ITERATIONS or INTERRUPTED
+    why: str = ""        # what showed it (the probes, by their index in `history`)
 
     @property
     def ok(self) -> bool:
         return bool(self.residuals) and within(self.residuals)
+
+    @property
+    def converged(self) -> bool:
+        return self.end in (WITHIN, NO_IMPROVEMENT)
 
 
 # d log(throughput) / d log(scale), rows BASELINES, columns FREE: each baseline's share of
@@ -227,28 +186,79 @@ def fit(evaluate: Evaluate, target: dict[str, float], start: dict[str, float],
         return _logerr(ours, target)
 
     e = run(x)
-    if within(history[-1]["residuals"]) or steps <= 0:
-        return _best(history)
+    end = _ended(history, limits)
+    if end or steps <= 0:
+        return _best(history, *(end or (ITERATIONS, "no step was allowed (steps 0)")))
     jac = [list(row) for row in jacobian] if jacobian is not None else _measured(run, x, e)
-    radius = MAX_LOG_STEP
+    radius, worse = MAX_LOG_STEP, []
     for _ in range(steps):
+        if end := _ended(history, limits):
+            return _best(history, *end)
         dx = _bounded_step(jac, e, x, limits)
         dx = [max(-radius, min(radius, d)) for d in dx]
         new = {k: clip(k, x[k] * math.exp(d)) for k, d in zip(FREE, dx)}
         real = [math.log(new[k] / x[k]) for k in FREE]
-        if max(map(abs, real)) < 1e-3:   # the bounds leave no step: the best bounded fit
-            break
+        if max(map(abs, real)) < 1e-3:
+            return _best(history, NO_IMPROVEMENT, _pinned_why(x, limits))
         e_new = run(new)
-        if within(history[-1]["residuals"]):
-            break
         _broyden(jac, real, [a - b for a, b in zip(e_new, e)])
         if _sq(e_new) < _sq(e):
-            x, e = new, e_new
+            gain = 1 - _sq(e_new) / _sq(e)
+            x, e, worse = new, e_new, []
+            if gain < FTOL and not within(history[-1]["residuals"]):
+                return _best(history, NO_IMPROVEMENT,
+                             f"probe {len(history) - 1}, the step from the best point, "
+                             f"improved the sum of squared log residuals by {gain:.2%} "
+                             f"(< {FTOL:.0%}): the fit has settled inside the bounds")
         else:   # worse: the Jacobian has learnt from it; a shorter step from the same point
+            worse.append(len(history) - 1)
             radius = max(map(abs, real)) / 2
             if radius < MIN_RADIUS:
-                break
-    return _best(history)
+                return _best(history, NO_IMPROVEMENT,
+                             f"the steps from the best point (probes {worse}) each made the "
+                             f"fit worse until the trust radius fell below {MIN_RADIUS}")
+    return _best(history, *(_ended(history, limits) or (
+        ITERATIONS, f"the {steps} steps allowed were spent before either end: not converged")))
+
+
+def _at(x: dict[str, float], k: str, limits: dict) -> str | None:
+    """"lower" / "upper" where factor k sits at that bound (4 significant digits)."""
+    lo, hi = limits[k]
+    return "lower" if x[k] <= lo else "upper" if x[k] >= hi else None
+
+
+def _ended(history: list[dict], limits: dict) -> tuple[str, str] | None:
+    """The last evaluated point ends the fit: it is within TOLERANCE, or it is a corner of
+    the bounds past which every residual points (every factor at its lower bound, the
+    fastest an H20 runs each cost, and every baseline still more than TOLERANCE too slow;
+    or the reverse). Every factor scales a cost, and a baseline with every cost lower is
+    not slower, so no point inside the bounds comes closer to any baseline."""
+    h = history[-1]
+    if within(h["residuals"]):
+        return WITHIN, f"probe {len(history) - 1} is within {TOLERANCE:.0%} of every bar"
+    sides = {_at(h["params"], k, limits) for k in FREE}
+    signs = {-1 if v < -TOLERANCE else 1 if v > TOLERANCE else 0
+             for v in h["residuals"].values()}
+    for side, sign in (("lower", -1), ("upper", 1)):
+        if sides == {side} and signs == {sign}:
+            return NO_IMPROVEMENT, (
+                f"probe {len(history) - 1} sits at every factor's {side} bound (each cost "
+                f"{'the least' if side == 'lower' else 'the most'} an H20 allows) and every "
+                f"baseline is still {'slower' if sign < 0 else 'faster'} than its bar by "
+                f"more than {TOLERANCE:.0%}: no point inside the bounds comes closer")
+    return None
+
+
+def _pinned_why(x: dict[str, float], limits: dict) -> str:
+    """Why the bounded step is empty: the factors at a bound the step pushes past, or (none
+    at a bound) a step below 0.1 % in every factor, the least-squares optimum."""
+    pinned = [f"{k} at its {_at(x, k, limits)} bound" for k in FREE if _at(x, k, limits)]
+    if not pinned:
+        return ("the Gauss-Newton step from the best point is below 0.1 % in every factor: "
+                "the least-squares optimum inside the bounds")
+    return (f"the Gauss-Newton step from the best point moves no factor by 0.1 % once the "
+            f"factors it pushes past a bound are held ({', '.join(pinned)}): no step "
+            f"improves it inside the bounds")
 
 
 def _sq(e: list[float]) -> float:
@@ -296,20 +306,37 @@ def _measured(run, x: dict[str, float], e: list[float]) -> list[list[float]]:
 
 def best(history: list[dict], start: dict[str, float]) -> Fit:
     """The best point of an interrupted fit (`start`, unmeasured, if none was evaluated)."""
-    return _best(history) if history else Fit({k: _sig(start[k]) for k in FREE}, {}, {})
+    why = "stopped before it ended (an error or ^C): not converged"
+    return _best(history, INTERRUPTED, why) if history else \
+        Fit({k: _sig(start[k]) for k in FREE}, {}, {}, end=INTERRUPTED, why=why)
 
 
-def _best(history: list[dict]) -> Fit:
+def _best(history: list[dict], end: str = "", why: str = "") -> Fit:
     """The point of the smallest sum of squared log residuals (what the steps minimise)."""
     b = min(history, key=lambda h: sum(math.log1p(v) ** 2 for v in h["residuals"].values()))
-    return Fit(b["params"], b["ours"], b["residuals"], history)
+    return Fit(b["params"], b["ours"], b["residuals"], history, end, why)
+
+
+def pinned(params: dict[str, float], limits: dict | None = None) -> dict[str, str]:
+    """The factors at a bound, with the bound's meaning (what the H20 limit is)."""
+    limits = LIMITS if limits is None else limits
+    what = {("policy_scale", "lower"): f"policy decode at {HBM_MAX:.0%} of peak HBM",
+            ("genrm_scale", "lower"): f"GenRM decode at {HBM_MAX:.0%} of peak HBM",
+            ("policy_scale", "upper"): f"policy decode at {HBM_FLOOR:.0%} of peak HBM",
+            ("genrm_scale", "upper"): f"GenRM decode at {HBM_FLOOR:.0%} of peak HBM",
+            ("train_scale", "lower"): f"training at {MFU_RANGE[1]:.0%} MFU",
+            ("train_scale", "upper"): f"training at {MFU_RANGE[0]:.0%} MFU"}
+    return {k: f"{side} bound ({what[k, side]})" for k in FREE
+            if (side := _at(params, k, limits))}
 
 
 def document(group: str, fixed: Fixed, result: Fit, settings: dict,
              error: str | None = None) -> dict:
     """The calibration file's mapping: the config keys a paper config includes, `implied`
     (the hardware efficiencies the factors stand for, against what an H20 can reach) and
-    a `record` (neither loaded) with the target, the fit, its residuals and every source;
+    a `record` (neither loaded) with the target, the fit, its residuals, how it ended
+    (`convergence`: the end, the probes that show it, the factors pinned at a bound) and
+    every source;
     where the fit is not within TOLERANCE, `unexplained`: the group's assumption that would
     explain the rest (UNEXPLAINED)."""
     up = {r: s[0] for r, s in fixed.shifts.items()}
@@ -343,6 +370,10 @@ def document(group: str, fixed: Fixed, result: Fit, settings: dict,
             "target_paper_fig9": {p: paper.FIG9[group][p] for p in BASELINES},
             "ours": rnd(result.ours), "residuals": rnd(result.residuals),
             "tolerance": TOLERANCE, "within_tolerance": result.ok,
+            # which end the fit reached (issue 50: within 10 %, or no further improvement
+            # inside the bounds), the probes that show it, the factors at a bound
+            "convergence": {"converged": result.converged, "end": result.end,
+                            "why": result.why, "pinned": pinned(result.params)},
             **({} if result.ok or group not in UNEXPLAINED
                else {"unexplained": UNEXPLAINED[group]}),
             **({"error": error} if error else {}), "fitted": list(FREE),
@@ -350,29 +381,6 @@ def document(group: str, fixed: Fixed, result: Fit, settings: dict,
             "fixed_from_paper": ["calibration.shift_*", "paradigm.shift_seconds_*",
                                  "Table 4 splits", "length caps"],
             "sources": SOURCES, "settings": settings,
-            "history": [{"params": rnd(h["params"]), "residuals": rnd(h["residuals"])}
-                        for h in result.history]}}
-
-
-# Where the best bounded fit leaves a baseline beyond TOLERANCE: the assumption (not a
-# measured fact) that would explain the rest, per group (docs/calibration.md)
-_DISAGGREGATED = (
-    "assumption: disaggregated runs faster here than the paper's bar while colocated is "
-    "near its own; inside the limits only train_scale slows disaggregated more than "
-    "colocated. What would explain the rest (not measured): the paper's disaggregated "
-    "baseline hands a batch from rollout to reward once the batch's rollout is complete, "
-    "as Appendix E says of rr_colocated, where ours streams each sample; or its fixed "
-    "reward pool held fewer sequences than vLLM's device-derived KV cache gives (issue 49 "
-    "made that cache ~6x larger and disaggregated gained most)")
-UNEXPLAINED: dict[str, str] = {
-    "qwen2.5-1.5b_glm-z1-9b": (
-        "assumption: at the H20's limits (both decoders at 85 % of peak HBM, training at "
-        "60 % MFU) the baselines reach about 35-40 % of the paper's bars, so the shared "
-        "workload does not fit this group: GLM-Z1-9B's judgements (and the 1.5B's "
-        "responses) would be much shorter than the shared medians (5,000 / 650 tokens), or "
-        "the group ran more prompts a step; a step is bounded by its longest response -> "
-        "judgement chain, which no factor inside the limits shortens enough. The paper "
-        "gives neither length nor batch"),
-    "qwen2.5-7b_qwen3-30b-a3b": _DISAGGREGATED,
-    "qwen2.5-32b_qwen3-30b-a3b": _DISAGGREGATED,
-    "qwen2.5-72b_qwen3.5-122b-a10b": _DISAGGREGATED}
+            "history": [{"probe": i, "params": rnd(h["params"]),
+                         "residuals": rnd(h["residuals"])}
+                        for i, h in enumerate(result.history)]}}
