@@ -287,7 +287,9 @@ def test_nobody_churning_the_agents_backlog_fails_none_of_the_jobs_connects(tiny
         churners = [_as_nobody(CHURN, job, "120") for _ in range(3)]
         for c in churners:
             assert c.stdout.readline().strip() == "found"
-        failed, n = [], 300
+        # 100 connects: before the retry on a full backlog 187 of 300 failed (issue 46), so
+        # none failing of 100 still tells the fix; 300 took ~120 s of a quiet CI machine
+        failed, n = [], 100
         for _ in range(n):
             try:
                 c = GPSClient(job, "n0", wait_s=30)
