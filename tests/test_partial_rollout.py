@@ -168,7 +168,9 @@ def test_reproduce_partial_runs_pivotrl_as_the_paper_and_with_the_lever_per_grou
     """`pivotrl reproduce --only partial`: per group, shiftable on the same seeds with and
     without the lever, the ratio over the paper's, the summary line and the plot (the runs'
     figures given, nothing simulated)."""
-    from pivotrl_hpc.cli.reproduce import FIGURES, summary
+    import argparse
+
+    from pivotrl_hpc.cli.reproduce import FIGURES, add_arguments, summary
     from pivotrl_hpc.reproduce import paper
     from pivotrl_hpc.reproduce.experiments import Lab, Scale
     from pivotrl_hpc.reproduce.plots import PLOTS
@@ -195,3 +197,6 @@ def test_reproduce_partial_runs_pivotrl_as_the_paper_and_with_the_lever_per_grou
     assert got["reaches_goal_everywhere"] is True and got["lever"] == lever
     assert "1000 -> 1200 1.200x" in summary({"partial": got}, tmp_path)
     assert PLOTS["partial"](got, tmp_path / "partial.png").stat().st_size > 0
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)   # named only: a whole reproduce does not run it
+    assert "partial" not in parser.parse_args([]).only.split(",")
