@@ -169,11 +169,11 @@ def fit(evaluate: Evaluate, target: dict[str, float], start: dict[str, float],
     """Bounded Gauss-Newton on log(scale factors) against log(ours / paper) of the baselines
     (module docstring). The Jacobian is `jacobian` (e.g. PRIOR) or, if None, measured at
     the start (a run set per factor, each scaled by PERTURB); Broyden's rule updates it
-    after every evaluation. Every point is inside `limits` (LIMITS). Stops when every
-    residual is within TOLERANCE, after `steps` evaluations past the start, or when no step
-    improves the fit any more. The best point seen (smallest sum of squared log residuals)
-    is returned; `history` (if given) collects every evaluated point as it comes, so a
-    caller keeps them when `evaluate` raises."""
+    after every evaluation. Every point is inside `limits` (LIMITS). Stops at one of the
+    module docstring's ends, or after `steps` evaluations past the start (ITERATIONS: not
+    converged). The best point seen (smallest sum of squared log residuals) is returned
+    with the end and why (`Fit.end`, `Fit.why`); `history` (if given) collects every
+    evaluated point as it comes, so a caller keeps them when `evaluate` raises."""
     limits = LIMITS if limits is None else limits
     clip = lambda k, v: _sig(min(limits[k][1], max(limits[k][0], v)))   # noqa: E731
     x = {k: clip(k, start[k]) for k in FREE}

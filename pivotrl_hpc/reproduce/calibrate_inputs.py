@@ -108,11 +108,12 @@ UNEXPLAINED: dict[str, str] = {
         + _TRAINED + ": about 1.3x the trained tokens a step at the same generated tokens, "
         "or training below 15 % MFU (~11.5 %)"),
     "qwen2.5-72b_qwen3.5-122b-a10b": (
-        "assumption: disaggregated runs far faster here than the paper's bar (278 s a step "
-        "at the session's start point, its 64-GPU training pool at the slowest training "
-        "the limits allow, train_scale pinned at 15 % MFU: 240 s a step) against the bar's "
-        "~488 s, while colocated and rr_colocated are near theirs; slowing the GenRM to "
-        "close disaggregated opens the other two. " + _AS_RAN + "What would explain the "
-        "rest (not measured): " + _TRAINED + ": about 2x the trained tokens a step at the "
-        "same generated tokens, or training near 7.5 % MFU"),
+        "assumption: disaggregated runs faster here than the paper's bar (359 s a step at "
+        "the best point, its 64-GPU training pool at the slowest training the limits allow, "
+        "train_scale pinned at 15 % MFU: 240 s a step, the reward pool pacing the rest) "
+        "against the bar's ~477 s, while colocated and rr_colocated are 14 % slower than "
+        "theirs: the GenRM slowed to 33 % of peak HBM trades the three. " + _AS_RAN
+        + "What would explain the rest (not measured): " + _TRAINED + ": about 1.5x the "
+        "trained tokens a step would let training pace disaggregated near the bar, with "
+        "a faster GenRM for the other two; or training near 10 % MFU"),
 }
