@@ -244,13 +244,17 @@ class Rank:
         device, node = self.info.device, self.info.node_name
         from pivotrl_hpc.runtime.spec import worker_env, worker_spec
         os.environ.update(worker_env(self.cfg, device, ports))   # before torch is imported
-        from pivotrl_hpc.gps.client import GPSClient              # imports overlap the
-        from pivotrl_hpc.runtime import host_forker               # agents' start-up
-        from pivotrl_hpc.runtime.serve import serve
-        from pivotrl_hpc.runtime.worker import DeviceWorker
+        from pivotrl_hpc.runtime import host_forker
 
         os.environ[host_forker.ADDRESS_ENV] = host_forker.node_address(self.job, node,
                                                                        self.forker_token)
+        # The node's forker imports vLLM (the longest start-up task) from here on, beside
+        # this worker's imports and the agents' start-up, not after them.
+        host_forker.ensure_running()
+        from pivotrl_hpc.gps.client import GPSClient              # imports overlap the
+        from pivotrl_hpc.runtime.serve import serve               # agents' start-up
+        from pivotrl_hpc.runtime.worker import DeviceWorker
+
         wait_barrier(node_comm, "GPS agent start-up")
         client = GPSClient(self.job, node)
         try:
