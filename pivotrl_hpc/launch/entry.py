@@ -13,7 +13,8 @@ to ~33 s (load 17); an orderly SIGTERM stop takes ~1 s. Rejected: a controller-o
 communicator to the other agents would need a second MPI world).
 
 Start-up: node and agents communicators; agents start (sweep, load v0, publish) while workers
-take `runtime.spec.worker_env` (before torch is imported) and import; barrier on the node
+take `runtime.spec.worker_env` (before torch is imported), start their node's engine host
+forker (its vLLM import, the longest, runs from then on) and import; barrier on the node
 communicator; workers build a GPSClient and their DeviceWorker, take their CPU cap (cgroup.py)
 and `serve(COMM_WORLD, worker, controller=0)`; rank 0 runs `controller.live.run_job` (or
 PIVOTRL_CONTROLLER=module:function). Finish: world barrier -> each agent rank stops its agent
