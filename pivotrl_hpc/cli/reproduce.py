@@ -22,7 +22,7 @@ from pathlib import Path
 
 FIGURES = ("fig9", "fig10", "fig3", "fig11", "fig13", "fig14", "table2", "beyond", "tail",
            "partial")
-# partial rollout's ablation only when named (--only partial): it measured 1.007-1.034x, below
+# partial rollout's ablation only when named (--only partial): it measured 0.98-1.03x, below
 # the 1.05x goal (sched/partial.py), and would add a run per group and seed to the whole set
 OPT_IN = ("partial",)
 ROOT = Path(__file__).resolve().parents[2]

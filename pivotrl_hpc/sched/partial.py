@@ -20,9 +20,10 @@ normalised together), and the staleness bound k stays exact:
 A trained group's lag is its step minus the oldest version that generated its tokens, at
 most its deadline minus its admission version: k. Pure: no I/O, no clocks.
 
-Measured (issue 50; `pivotrl reproduce --only partial --seeds 1`, 8 steps, seed 0, each
-group's calibration; processed tokens/s over the protocol's window): 1.5B 1.034x, 7B
-1.020x, 32B 1.017x, 72B 1.007x over PivotRL as the paper: below the 1.05x goal. What it buys
+Measured (issue 50; `pivotrl reproduce --only partial --seeds 1`, 8 steps, seed 0;
+processed tokens/s over the protocol's window), over PivotRL as the paper: at ae11e6b's
+calibration 1.5B 1.034x, 7B 0.979x, 32B 1.000x, 72B 0.992x (at b78959e's 1.034x, 1.020x,
+1.017x, 1.007x): below the 1.05x goal. What it buys
 is the fill: batches 0..k are admitted against v0 and share deadline k, so steps 0 and 1 no
 longer wait for batch 0's and 1's slowest group, and every later step ends 40-50 s sooner by
 the same constant. After the fill nothing changes, and nothing can by choosing groups: the
