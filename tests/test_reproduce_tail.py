@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pivotrl_hpc.cli.reproduce import summary
+from lever_util import check_ablation
+
 from pivotrl_hpc.reproduce import experiments, paper
 from pivotrl_hpc.reproduce.experiments import Lab, Scale
-from pivotrl_hpc.reproduce.plots import PLOTS
 from pivotrl_hpc.reproduce.runs import Outcome
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,19 +29,8 @@ def test_each_group_runs_pivotrl_as_the_paper_and_with_the_lever_on_the_same_see
         monkeypatch, tmp_path):
     made: list = []
     got = fake_lab(monkeypatch, made).tail()
-    assert len(made) == 2 * 2 * len(paper.GROUPS)
-    lever = f"paradigm.tail_isolation={experiments.TAIL_ISOLATION}"
-    for g in paper.GROUPS:
-        runs = [r for r in made if r.tag == g]
-        assert {r.paradigm for r in runs} == {"shiftable"}
-        assert sorted((r.seed, lever in r.overrides) for r in runs) == [
-            (0, False), (0, True), (1, False), (1, True)]
-        row = got["groups"][g]
-        assert row["paper"] == [1000.0, 1001.0] and row["tail"] == [1100.0, 1101.0]
-        assert abs(row["ratio"] - 1100.5 / 1000.5) < 1e-12
-    assert got["reaches_goal_everywhere"] is True and got["lever"] == lever
-    assert "1000 -> 1100 1.100x" in summary({"tail": got}, tmp_path)
-    assert PLOTS["tail"](got, tmp_path / "tail.png").stat().st_size > 0
+    check_ablation(got, made, "tail", f"paradigm.tail_isolation={experiments.TAIL_ISOLATION}",
+                   1100.0, tmp_path)
 
 
 def test_pivotrl_as_the_paper_is_fig9s_shiftable_when_fig9_ran(monkeypatch):
