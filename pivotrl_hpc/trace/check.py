@@ -279,14 +279,12 @@ def _admission_versions(rows) -> list[str]:
     return out
 
 
-def _executed_downs(plan: dict, keep_training: bool = False) -> list[str]:
-    """The replicas an executed planner row shifted down (its chosen candidate's; the
-    trainer, `training`, only with `keep_training`)."""
+def _executed_downs(plan: dict) -> list[str]:
+    """The replicas an executed planner row shifted down (its chosen candidate's)."""
     cands, chosen = plan.get("candidates", []), plan.get("chosen", -1)
     if not plan.get("executed") or not 0 <= chosen < len(cands):
         return []
-    return [r for r in cands[chosen].get("shift_down", [])
-            if keep_training or r != "training"]
+    return list(cands[chosen].get("shift_down", []))
 
 
 def roles(rows, meta, summary, _schema) -> list[str]:
@@ -298,7 +296,6 @@ def roles(rows, meta, summary, _schema) -> list[str]:
     executed plan shifts the held replica down."""
     shifts = rows["shifts"]
     plans = {p["plan_id"]: p for p in rows["planner"]}
-    plan_t = {i: p["t"] for i, p in plans.items()}
     held: dict[int, dict] = {}            # device -> the up row of the replica it holds
     early: set[tuple[int, int]] = set()   # (row index of a down, device) already let go
     out = []
@@ -309,12 +306,11 @@ def roles(rows, meta, summary, _schema) -> list[str]:
             if s["direction"] == "down" and (i, d) in early:
                 continue
             if s["direction"] == "up" and now:
-                j = _releasing_down(shifts, i, d, now, plan_t)
-                if j is not None:
+                j = _next_row_of(shifts, i, d)
+                if j is not None and _releases(shifts[j], now, plans, s["t"]):
                     early.add((j, d))
                     now = ""
-                elif (_last_row_of(shifts, i, d) and up["replica"]
-                      in _executed_downs(plans.get(s["plan_id"], {}), keep_training=True)):
+                elif j is None and up["replica"] in _executed_downs(plans.get(s["plan_id"], {})):
                     now = ""
             if s["direction"] == "up" and now or s["direction"] == "down" and now != s["role"]:
                 out.append(f"device {d}: shift {s['direction']} {s['role']} at {s['t']:.3f} "
@@ -323,22 +319,18 @@ def roles(rows, meta, summary, _schema) -> list[str]:
     return out
 
 
-def _last_row_of(shifts: list[dict], i: int, device: int) -> bool:
-    """No shifts row after row `i` touches `device` (the trace ends first)."""
-    return all(device not in devices_of(s["devices"]) for s in shifts[i + 1:])
+def _next_row_of(shifts: list[dict], i: int, device: int) -> int | None:
+    """The index of the first shifts row after row `i` on `device` (None: the trace ends)."""
+    return next((j for j in range(i + 1, len(shifts))
+                 if device in devices_of(shifts[j]["devices"])), None)
 
 
-def _releasing_down(shifts: list[dict], i: int, device: int, role: str,
-                    plan_t: dict[int, float]) -> int | None:
-    """The later row of the shift down of `role` on `device` whose plan started before
-    row `i` (an up on that device) ended, if any."""
-    for j in range(i + 1, len(shifts)):
-        s = shifts[j]
-        if device in devices_of(s["devices"]):
-            ok = (s["direction"] == "down" and s["role"] == role
-                  and plan_t.get(s["plan_id"], math.inf) <= shifts[i]["t"])
-            return j if ok else None
-    return None
+def _releases(down: dict, role: str, plans: dict[int, dict], up_t: float) -> bool:
+    """`down` is the shift down of `role` whose plan started before an up that ended at
+    `up_t` on one of its devices."""
+    plan = plans.get(down["plan_id"])
+    return (down["direction"] == "down" and down["role"] == role
+            and plan is not None and plan["t"] <= up_t)
 
 
 def figures(rows, meta, summary, _schema) -> list[str]:
