@@ -1,4 +1,4 @@
-"""Each engine's KV cache from its device (issue 49, engines/memory.py): device memory x
+"""Each engine's KV cache from its device (issue 49, gps/memory.py): device memory x
 gpu_memory_utilization - weight shard - activation workspace, a replica's the sum over its
 GPUs, the same for the live adapter (runtime/spec.py) and the scheduler, live and
 simulated (controller/live.py's loop_config). Figures worked out by hand from the H20's
@@ -79,9 +79,9 @@ def test_an_explicit_kv_cache_mb_keeps_its_meaning(tmp_path):
 
 
 def test_a_cpu_device_derives_from_the_emulations_own_figure(tmp_path):
-    """device_kind cpu, no kv_cache_mb: 0.25 GiB a device (engines/memory.py), the CPU
+    """device_kind cpu, no kv_cache_mb: 0.25 GiB a device (gps/memory.py), the CPU
     adapter's iteration budget (4,096 tokens) for the workspace."""
-    from pivotrl_hpc.engines.memory import DEVICE_MEMORY_GIB, KVBudget
+    from pivotrl_hpc.gps.memory import DEVICE_MEMORY_GIB, KVBudget
 
     assert DEVICE_MEMORY_GIB == {"gpu": 96.0, "cpu": 0.25}
     cfg = group("qwen2.5-7b_qwen3-30b-a3b", tmp_path, "cluster.device_kind=cpu",

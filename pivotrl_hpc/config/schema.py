@@ -6,7 +6,7 @@ these, and `validate.py` checks the combinations before anything starts.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 DeviceKind = Literal["cpu", "gpu"]
 Paradigm = Literal["colocated", "disaggregated", "rr_colocated", "rr_colocated_pooled",
@@ -27,7 +27,7 @@ class ClusterConfig:
     # "device" lends its CPU to a busy one and paradigm comparisons mean nothing. True turns
     # the refusal into a warning (for a quick look, never for a measurement).
     allow_oversubscribe: bool = False
-    # Memory of one device, GiB; 0: the kind's figure (engines/memory.py DEVICE_MEMORY_GIB:
+    # Memory of one device, GiB; 0: the kind's figure (gps/memory.py DEVICE_MEMORY_GIB:
     # gpu 96, the paper's H20; cpu 0.25, the emulation's). Each engine's KV cache is what
     # roles.gpu_memory_utilization of it leaves after the weights and the workspace.
     device_memory_gib: float = 0.0
@@ -62,7 +62,7 @@ class RolesConfig:
     train_devices: int = 4
     train_tensor_parallel: int = 1
     # KV cache of one inference replica, MiB, split over its TP ranks: an explicit override.
-    # 0 (default): derived from the device as vLLM does (engines/memory.py): device memory x
+    # 0 (default): derived from the device as vLLM does (gps/memory.py): device memory x
     # gpu_memory_utilization - weight shard - activation workspace, summed over the replica.
     kv_cache_mb: int = 0
     gpu_memory_utilization: float = 0.9   # vLLM's: the fraction of a device an engine uses
@@ -290,6 +290,13 @@ RESUME_KEYWORDS = ("auto", "false", "")   # resume values that name no checkpoin
 def names_a_path(resume: bool | str) -> bool:
     """Whether `resume` names a checkpoint (a path), rather than auto / false / afresh."""
     return isinstance(resume, str) and resume not in RESUME_KEYWORDS
+
+
+def resumed_from(cfg: Any) -> str:
+    """The checkpoint folder this job resumes from, once the launch resolved `resume` to
+    one (launch.entry); "" for a fresh start or an unresolved setting."""
+    r = getattr(cfg, "resume", "")
+    return r if names_a_path(r) else ""
 
 
 @dataclass

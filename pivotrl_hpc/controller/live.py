@@ -30,7 +30,7 @@ from pivotrl_hpc.controller.rl import Lengths, RLBook
 from pivotrl_hpc.plan.types import ReplicaSpec, ShiftPlan
 from pivotrl_hpc.protocol.messages import Shutdown
 from pivotrl_hpc.task.task import build_task
-from pivotrl_hpc.engines.memory import replica_kv_tokens
+from pivotrl_hpc.gps.memory import replica_kv_tokens
 from pivotrl_hpc.sched.model import ThroughputModel
 from pivotrl_hpc.sched.tail import TailIsolation
 
@@ -45,7 +45,7 @@ def loop_config(cfg: Config) -> LoopConfig:
     return LoopConfig(
         gpus=cfg.total_devices,
         replica_gpus={"rollout": r.rollout_replica_size, "reward": r.reward_replica_size},
-        # the tokens each engine's cache holds (engines/memory.py), live and simulated
+        # the tokens each engine's cache holds (gps/memory.py), live and simulated
         kv_capacity={"rollout": replica_kv_tokens(cfg, "policy"),
                      "reward": replica_kv_tokens(cfg, "genrm")},
         training_devices=tuple(range(r.train_devices)), steps=cfg.rl.steps,
@@ -131,7 +131,7 @@ def add_checkpoints(ctl: Controller, cfg: Config, trace_path: str | Path) -> Non
     from pivotrl_hpc.checkpoint.layout import base_trace, root_for
     from pivotrl_hpc.checkpoint.state import fixed_values
     from pivotrl_hpc.controller.checkpointing import Checkpointer, resume
-    from pivotrl_hpc.runtime.spec import resumed_from
+    from pivotrl_hpc.config.schema import resumed_from
 
     ctl.checkpoints = Checkpointer(root_for(trace_path), cfg.rl.checkpoint_every,
                                    cfg.rl.keep_checkpoints, fixed_values(cfg),
@@ -213,7 +213,7 @@ def _on_stop_signal(ctl: Controller, grace_s: float, stopper=None) -> None:
 
 def run_on(cfg: Config, comm, device_ranks: Mapping[int, int], trace_path: str | Path,
            placement: list[dict] | None = None, stopper=None) -> dict[str, Any]:
-    from pivotrl_hpc.runtime.spec import resumed_from
+    from pivotrl_hpc.config.schema import resumed_from
     from pivotrl_hpc.trace import TraceWriter
     from pivotrl_hpc.trace.loggers import sinks
 

@@ -42,9 +42,9 @@ def check_start(cfg: Config) -> None:
 def check_kv_capacity(cfg: Config) -> None:
     """A sequence at its longest must fit one replica's KV cache, or the scheduler can never
     place it and the job waits forever (the paper groups at the CPU default of 16 MB did).
-    The cache is derived from the device (engines/memory.py) unless roles.kv_cache_mb
+    The cache is derived from the device (gps/memory.py) unless roles.kv_cache_mb
     overrides it."""
-    from pivotrl_hpc.engines.memory import KVBudget
+    from pivotrl_hpc.gps.memory import KVBudget
 
     for name, role in (("policy", "rollout"), ("genrm", "reward")):
         m: ModelConfig = getattr(cfg.models, name)

@@ -28,7 +28,7 @@ class EngineOptions:
     enforce_eager: bool = True
     # GPU only: fraction of device memory vLLM may profile against (KV bytes are fixed above).
     gpu_memory_utilization: float = 0.9
-    # GPU only: the device memory the KV bytes were derived from (engines/memory.py); the
+    # GPU only: the device memory the KV bytes were derived from (gps/memory.py); the
     # engine refuses a device that has less (0: not checked, an explicit KV size)
     device_memory_bytes: int = 0
     # None: vLLM's default. "external_launcher": this process is one TP rank of the engine

@@ -23,6 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 from pivotrl_hpc import envs
+from pivotrl_hpc.config.schema import resumed_from
 
 MiB = 2**20
 REWARD_PORT_OFFSET = 100
@@ -81,15 +82,6 @@ def worker_spec(cfg: Any, device: int, job: str, node: str, port_base: int):
         resume=resumed_from(cfg) if training else "")
 
 
-def resumed_from(cfg: Any) -> str:
-    """The checkpoint folder this job resumes from, once the launch resolved `resume` to
-    one (launch.entry); "" for a fresh start or an unresolved setting."""
-    from pivotrl_hpc.config.schema import names_a_path
-
-    r = getattr(cfg, "resume", "")
-    return r if names_a_path(r) else ""
-
-
 def replica_size(cfg: Any, model: str) -> int:
     r = cfg.roles
     size = r.rollout_replica_size if model == "policy" else r.reward_replica_size
@@ -104,9 +96,9 @@ def replica_size(cfg: Any, model: str) -> int:
 
 def engine_options(cfg: Any, model: str):
     """One replica's engine; each TP rank's KV cache is what its device leaves after the
-    weight shard and the workspace (engines/memory.py), or `roles.kv_cache_mb` split over
+    weight shard and the workspace (gps/memory.py), or `roles.kv_cache_mb` split over
     the ranks where the config sets it."""
-    from pivotrl_hpc.engines.memory import KVBudget
+    from pivotrl_hpc.gps.memory import KVBudget
     from pivotrl_hpc.protocol.engine import EngineOptions
 
     m, size = getattr(cfg.models, model), replica_size(cfg, model)

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pivotrl_hpc.engines.memory import DEVICE_MEMORY_GIB
+from pivotrl_hpc.gps.memory import DEVICE_MEMORY_GIB
 from pivotrl_hpc.gps.shapes import ModelShape, itemsize
 from pivotrl_hpc.sched.model import MoEThroughputModel, ThroughputModel
 
@@ -56,7 +56,7 @@ from pivotrl_hpc.sched.model import MoEThroughputModel, ThroughputModel
 @dataclass(frozen=True)
 class Hardware:
     name: str
-    memory_gib: float        # device memory (engines/memory.py derives the KV cache from it)
+    memory_gib: float        # device memory (gps/memory.py derives the KV cache from it)
     hbm_bps: float           # HBM bandwidth of one GPU, bytes/s
     bf16_flops: float        # dense bf16 tensor FLOP/s of one GPU
     pcie_bps: float          # host <-> GPU (a node-local GPS Read)

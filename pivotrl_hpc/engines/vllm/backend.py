@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from pivotrl_hpc import envs
 from pivotrl_hpc.engines.host import trim_host_heap
-from pivotrl_hpc.engines.memory import CPU_BATCHED_TOKENS   # one engine iteration's tokens on CPU
+from pivotrl_hpc.gps.memory import CPU_BATCHED_TOKENS   # one engine iteration's tokens on CPU
 from pivotrl_hpc.protocol.engine import EngineOptions
 
 log = logging.getLogger(__name__)

@@ -18,6 +18,9 @@ same sequences. `roles.kv_cache_mb` > 0 overrides the derivation with a per-repl
 Left out of the workspace: the CUDA context (outside vLLM's budget: it comes out of the
 10 % it leaves), NCCL and cuBLAS buffers (a few hundred MB), and the per-sequence state of
 linear-attention layers (Qwen3.5), which vLLM keeps beside the KV blocks.
+
+It lives beside the model shapes it reads (gps/shapes.py), below the engines, the
+controller and the simulator, which all size caches from it.
 """
 from __future__ import annotations
 
