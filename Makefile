@@ -6,6 +6,9 @@ PY    := $(VENV)/bin/python
 MODELS := .run/models
 PYTEST_ARGS ?=
 export UCX_MODULES := ^ib,rdmacm
+# Python caches compiled modules (and pytest its rewritten tests): the hundreds of processes
+# a suite starts (ranks, forkers, CLI calls, xdist workers) then compile each module once.
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: setup models run lint test test-fast cluster-up cluster-down cluster-status clean
 
@@ -37,8 +40,13 @@ run: models
 lint: setup
 	$(VENV)/bin/ruff check .
 
+# Two phases (tests/conftest.py, LIVE_MODULES): the tests of one core each on two xdist
+# workers, then the live jobs alone; both run even if the first fails.
 test: setup lint cluster-up
-	@eval "$$(slurm/local/cluster.sh env)" && $(PY) -m pytest --durations=15 $(PYTEST_ARGS)
+	@eval "$$(slurm/local/cluster.sh env)" && \
+	  $(PY) -m pytest -m "not live" -n 2 --dist loadfile --durations=10 $(PYTEST_ARGS); a=$$?; \
+	  $(PY) -m pytest -m live --durations=15 $(PYTEST_ARGS); b=$$?; \
+	  [ $$a -eq 0 -o $$a -eq 5 ] && [ $$b -eq 0 -o $$b -eq 5 ] && [ $$a -eq 0 -o $$b -eq 0 ]
 
 test-fast: setup lint
 	$(PY) -m pytest -m "not slurm and not slow" $(PYTEST_ARGS)

@@ -60,7 +60,7 @@ python_env() {
   $PIP pyarrow math-verify   # the task layer: veRL/DAPO parquet, reward.verifiable math_verify
   $PIP wandb==0.31.0         # trace.loggers: wandb (the optional extra; tests run it offline)
   $PIP --no-deps -e .
-  $PIP pytest pytest-timeout pytest-randomly hypothesis pyyaml matplotlib ruff==0.17.6
+  $PIP pytest pytest-timeout pytest-randomly pytest-xdist==3.8.0 hypothesis pyyaml matplotlib ruff==0.17.6
   .venv/bin/pip uninstall -y -q torchvision torchaudio torchcodec triton 2>/dev/null || true
   echo "$key" > "$STAMPS/venv"
 }

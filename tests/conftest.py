@@ -93,3 +93,28 @@ def slurm_cluster():
     yield cluster
     release_cluster(cluster)
 # --- end slurm_cluster -----------------------------------------------------------------
+
+
+# --- the suite's two phases (`make test`) ----------------------------------------------
+# These modules start live jobs (mpirun or Slurm worlds: 1.5-2 busy cores each, and timings
+# that a second test beside them would perturb) or need the warm-started models. `make test`
+# runs the rest first on two xdist workers (one core each, mostly: side by side they take
+# half the time), then these alone (`-m live`). docs/design.md, "Tests and the suite".
+LIVE_MODULES = frozenset({
+    "test_launch", "test_learning", "test_long_batch", "test_resume_live", "test_run_paradigms",
+    "test_security_planted", "test_slurm_job", "test_slurm_requeue", "test_slurm_stop",
+    "test_warmstart",
+})
+
+
+@pytest.hookimpl(tryfirst=True)   # before `-m` deselects by marker
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if Path(str(item.path)).stem in LIVE_MODULES:
+            item.add_marker(pytest.mark.live)
+    # Modules that need the warm-started models run last (whole, so module fixtures stay
+    # set up once): the niced warm start (_warm_start_early) takes the CPU the tests
+    # before them leave idle, and they wait for it less or not at all.
+    warm = {item.path for item in items if "warm_models" in item.fixturenames}
+    items.sort(key=lambda item: item.path in warm)
+# --- end the suite's two phases --------------------------------------------------------

@@ -29,8 +29,6 @@ PROMPTS = {"a": [5, 17, 99, 3, 250, 8, 41], "b": [300, 2, 2, 77, 410, 9],
            "c": [11, 12, 13, 14, 15, 16, 17, 18, 19]}
 PROGRAMS = Path(__file__).parent / "programs"
 
-pytest.importorskip("vllm")
-
 
 def add_all(hosts, prompts=PROMPTS) -> None:
     """Adding is local to each rank (no collective): one host after the other."""

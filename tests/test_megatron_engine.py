@@ -24,9 +24,6 @@ LAYOUTS = {"tp1": (1, 1, []), "tp2": (2, 2, []), "dp2": (2, 1, ["distopt"])}
 LOGIT_TOL = 1e-4      # float32 Megatron vs transformers, same weights
 LAYOUT_LOSS_TOL = 1e-5  # same math, different reduction order across TP/DP layouts
 
-pytest.importorskip("megatron.core")
-pytest.importorskip("transformers")
-
 
 def _program(name: str):
     spec = importlib.util.spec_from_file_location(name, PROGRAM.parent / f"{name}.py")

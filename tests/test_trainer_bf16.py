@@ -13,8 +13,6 @@ import pytest
 
 PROGRAM = Path(__file__).parent / "programs" / "trainer_bf16.py"
 
-pytest.importorskip("megatron.core")
-
 
 @pytest.fixture(scope="module")
 def report(tiny_models, tmp_path_factory) -> dict:
