@@ -36,9 +36,12 @@ STEPS = 8
 # disaggregated on the learn-cpu node: training stays up, so the only thing that differs
 # between the runs is the stops; temperature 0 and staleness 0 make the run deterministic.
 # The grace time changes nothing until a SIGTERM comes.
+# Three devices of 0.53 cores (one each for rollout, reward and training), not learn-cpu's
+# four of 0.4: the same 1.6 cores, one worker and one engine fewer at each of the 4 starts.
 OVERRIDES = ["paradigm.name=disaggregated", f"rl.steps={STEPS}", "rl.batch_size=4",
              "rl.temperature=0", "rl.staleness=0", "rl.checkpoint_every=2",
-             "rl.preempt_grace_s=90"]
+             "rl.preempt_grace_s=90", "cluster.devices_per_node=3", "cluster.cpu_share=0.53",
+             "paradigm.initial_rollout_devices=1"]
 
 
 def _steps(traces: list[Path]) -> list[dict]:
