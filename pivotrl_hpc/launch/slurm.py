@@ -33,6 +33,7 @@ from pathlib import Path
 
 from pivotrl_hpc import envs
 from pivotrl_hpc.checkpoint.layout import REQUEUE_FILE, latest, root_for
+from pivotrl_hpc.config import Config, load_config
 from pivotrl_hpc.config.paradigm import normalize
 from pivotrl_hpc.config.validate import check_cpu_shares
 from pivotrl_hpc.runtime import cgroup
@@ -343,18 +344,26 @@ def cleanup(run: PreparedRun, failed: bool) -> None:
                        timeout=60, check=False)
 
 
+def load_for(alloc: Allocation, config: str | Path, overrides) -> Config:
+    """The config checked against the allocation first (a moment), then by the preflight
+    (~3.6 CPU-s: it builds the RL task): a wrong allocation is refused before that work."""
+    from pivotrl_hpc.launch.preflight import preflight
+
+    cfg = load_config(config, absolute_resume(overrides, alloc.submit_dir))
+    check_allocation(cfg, alloc)         # cfg.cluster only, which normalize keeps
+    preflight(cfg)
+    return cfg
+
+
 # ---- the two ways in --------------------------------------------------------------------------
 def run_in_allocation(config: str | Path, overrides: tuple[str, ...] | list[str] = (), *,
                       root: str | Path | None = None) -> dict:
     """What `pivotrl_hpc.submit` runs in the batch step: the job's summary, with `trace`,
     `run_folder` and `job_id` added. Raises ConfigError / LaunchError (refused before any rank
     started), SlurmJobError (a rank failed, named) or InterruptedError (stopped by a signal)."""
-    from pivotrl_hpc.launch.preflight import load_checked
-
     _log_to_stderr()
     alloc = Allocation.from_env()
-    cfg = load_checked(config, absolute_resume(overrides, alloc.submit_dir))
-    run = prepare(cfg, alloc, root=root)
+    run = prepare(load_for(alloc, config, overrides), alloc, root=root)
     out = execute(run)
     if out.code == 0 and out.summary is not None:
         return {**out.summary, "trace": str(out.paths.trace),
@@ -366,8 +375,6 @@ def run_in_allocation(config: str | Path, overrides: tuple[str, ...] | list[str]
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m pivotrl_hpc.launch.slurm CONFIG [key=value ...]` (pivot.sbatch's body)."""
-    from pivotrl_hpc.launch.preflight import load_checked
-
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0].startswith("-"):
         print("usage: python -m pivotrl_hpc.launch.slurm CONFIG [key=value ...] (inside a "
@@ -376,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     _log_to_stderr()
     try:
         alloc = Allocation.from_env()
-        run = prepare(load_checked(argv[0], absolute_resume(argv[1:], alloc.submit_dir)), alloc)
+        run = prepare(load_for(alloc, argv[0], argv[1:]), alloc)
     except BAD_INPUT as e:
         print(f"pivot.sbatch: error: {bad_input(e, argv[0])}", file=sys.stderr)
         return 2
