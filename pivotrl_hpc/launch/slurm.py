@@ -297,9 +297,13 @@ def requeue(run: PreparedRun) -> Outcome:
     if info.get("why") == "stop" and not requeueable(run.job):
         return Outcome(0, f"{done}; the job may not be requeued: submit again with "
                        f"resume={info['checkpoint']} to continue", run.paths, _summary(run.paths))
+    # the requeue SIGTERMs this batch step at once: ignored, so that main's line reporting it
+    # is written (it was lost under load); the step ends right after that line
+    before = signal.signal(signal.SIGTERM, signal.SIG_IGN)
     p = subprocess.run(["scontrol", "requeue", run.job], capture_output=True, text=True,
                        timeout=60, check=False)
     if p.returncode != 0:
+        signal.signal(signal.SIGTERM, before)
         return Outcome(1, f"{done}, but `scontrol requeue {run.job}` failed: "
                        f"{p.stderr.strip() or p.stdout.strip()}; submit again with "
                        f"resume={info['checkpoint']} to continue", run.paths, _summary(run.paths))
