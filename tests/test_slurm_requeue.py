@@ -48,6 +48,12 @@ SUBMITIT_STEPS = 12
 # Slurm's preemption must reach it before it ends (a busy node answers the submit slowly)
 PREEMPTED_STEPS = 10
 PER_STEP = 4 * 4     # rl.batch_size x learn-cpu's rl.group_size
+# The two colocated jobs run on 2 devices of 0.8 cores, not learn-cpu's 4 of 0.4: the same
+# 1.6 cores and the same colocated shifts (training on every device, down every step), at
+# about half a start's CPU (each start builds both engines on every device and loads
+# Megatron in every worker; 5 of the 7 starts here are colocated).
+COLOCATED = ["paradigm.name=colocated", "cluster.devices_per_node=2", "cluster.cpu_share=0.8",
+             "paradigm.initial_rollout_devices=1"]
 
 
 class SkipRequeueDelay:
@@ -150,8 +156,8 @@ def _requeued(cluster, models: Path, tmp: Path) -> Callable[[], dict]:
     """sbatch on n2; `scontrol requeue` once step 2's checkpoint is whole; the time-limit
     signal once the second start trained a step; the third start finishes."""
     folder = tmp / "requeued"
-    job = submit_pivot(cluster, folder, ["--gres=gpu:4", "--time=30", "-w", "n2"], LEARN,
-                       [*model_overrides(models), *OVERRIDES, "paradigm.name=colocated"])
+    job = submit_pivot(cluster, folder, ["--gres=gpu:2", "--time=30", "-w", "n2"], LEARN,
+                       [*model_overrides(models), *OVERRIDES, *COLOCATED])
     run = folder / "runs" / f"pivotrl-{job}"
     ckpts, logs = run / "learn-cpu.checkpoints", run / "learn-cpu.logs"
 
@@ -176,9 +182,9 @@ def _preempted(cluster, models: Path, tmp: Path) -> Callable[[], dict]:
     """sbatch on n1 (rl.preempt_grace_s=90, no periodic checkpoints); a job of the `urgent`
     partition takes all of n1 once 3 steps are trained."""
     folder = tmp / "preempted"
-    job = submit_pivot(cluster, folder, ["--gres=gpu:4", "--time=30", "-w", "n1"],
+    job = submit_pivot(cluster, folder, ["--gres=gpu:2", "--time=30", "-w", "n1"],
                        LEARN, [*model_overrides(models), *OVERRIDES, "rl.checkpoint_every=0",
-                               "rl.preempt_grace_s=90", "paradigm.name=colocated",
+                               "rl.preempt_grace_s=90", *COLOCATED,
                                f"rl.steps={PREEMPTED_STEPS}"])
     run = folder / "runs" / f"pivotrl-{job}"
 
