@@ -9,6 +9,8 @@
   in the user's 0700 folder) as they connect. At MAX_CLIENTS a new connection evicts the
   oldest one that never registered, so idle connections of another process of the same user
   cannot lock the job's own workers out; registered clients are served first in each turn.
+- Accepting: at most ACCEPTS_PER_TURN connections per turn, so a backlog kept full by
+  churning connections (refused ones included) never stops the loop serving the rest.
 - Service: `selectors` (epoll); non-blocking sockets both ways. Per turn a connection gets at
   most READ_BYTES read and LINES_PER_TURN requests handled (round robin: a flood of tiny
   requests on one connection costs the others one slice per turn); while OUT_HIGH bytes of its
@@ -38,6 +40,7 @@ MAX_PENDING_BYTES = 8 << 20      # unsent replies to one client: then it is drop
 OUT_HIGH = 256 << 10             # unsent replies above which a client's requests wait
 READ_BYTES = 64 << 10            # read from one connection per turn
 LINES_PER_TURN = 32              # requests handled for one connection per turn
+ACCEPTS_PER_TURN = 64            # connections accepted per turn (a full backlog: 128)
 WARN_EVERY_S = 10.0
 
 
@@ -156,7 +159,10 @@ class ClientListener:
         return bool(events) or served
 
     def _accept(self) -> None:
-        while True:
+        # at most ACCEPTS_PER_TURN: a process refilling the backlog as fast as it is accepted
+        # (another account churning connections) kept this loop from ending, and the job's
+        # open connections from being served (issue 51)
+        for _ in range(ACCEPTS_PER_TURN):
             try:
                 sock, _ = self.sock.accept()
             except (BlockingIOError, InterruptedError):
