@@ -222,10 +222,28 @@ def test_submit_of_a_broken_config_raises_with_its_error(submitit_env, tiny_mode
     assert "did you mean" in str(e.value) or "unknown" in str(e.value)
 
 
-def test_pivotrl_submit_refuses_before_queueing(submitit_env, tiny_models, tmp_path):
+def _pivotrl_here(*args: str, monkeypatch, capsys) -> tuple[int, str]:
+    """`pivotrl ARGS` in this process: (exit code, stderr). A refusal is mostly the CLI's
+    imports (~5 core-s a process here): loaded once, not once per command."""
+    from pivotrl_hpc.cli.main import main
+
+    for k, v in (("VLLM_LOGGING_STREAM", "ext://sys.stderr"), ("VLLM_LOGGING_LEVEL", "WARNING"),
+                 ("UCX_MODULES", "^ib,rdmacm")):   # what main() sets if unset: undone after
+        monkeypatch.setenv(k, os.environ.get(k, v))
+    capsys.readouterr()
+    try:
+        code = main(list(args))
+    except SystemExit as e:   # argparse's own refusals
+        code = e.code
+    return code, capsys.readouterr().err
+
+
+def test_pivotrl_submit_refuses_before_queueing(submitit_env, tiny_models, tmp_path,
+                                                monkeypatch, capsys):
     """A bad config, a request the config or the partition (2 nodes of 8 GPUs) can never
-    satisfy, and sbatch's own refusal: one line each, exit 2, nothing left behind. The seven
-    commands run at once (each is mostly its imports)."""
+    satisfy, and sbatch's own refusal: one line each, exit 2, nothing left behind. sbatch's
+    refusal runs as the `pivotrl` command (the process's exit status), meanwhile the other
+    six in this process (each would be mostly its imports)."""
     base = ["submit", LEARN, *model_overrides(tiny_models)]
     cases = ((["rl.stpes=1"], "unknown key"),
              (["--gpus-per-node", "2"], "the config needs 4 GPUs per node"),
@@ -238,14 +256,20 @@ def test_pivotrl_submit_refuses_before_queueing(submitit_env, tiny_models, tmp_p
              (["--constraint", "nosuch"], "sbatch refused the job: sbatch: "
                                           "error: Batch job submission failed: "
                                           "Invalid feature specification"))
-    procs = [_start_pivotrl(*base, *extra, "--runs-root", str(tmp_path), cwd=tmp_path,
-                            env=dict(os.environ)) for extra, _ in cases]
-    for p, (extra, message) in zip(procs, cases):
-        _, stderr = p.communicate(timeout=120)
+    *here, (extra, message) = cases
+    proc = _start_pivotrl(*base, *extra, "--runs-root", str(tmp_path), cwd=tmp_path,
+                          env=dict(os.environ))
+    monkeypatch.chdir(tmp_path)
+    done = [(extra, *_pivotrl_here(*base, *extra, "--runs-root", str(tmp_path),
+                                   monkeypatch=monkeypatch, capsys=capsys))
+            for extra, _ in here]
+    _, stderr = proc.communicate(timeout=120)
+    done.append((extra, proc.returncode, stderr))
+    for (extra, code, stderr), (_, message) in zip(done, cases):
         # one error line; a logged warning about another key (the tiny config's unused
         # validation file) may come before it
         lines = [ln for ln in stderr.strip().splitlines() if " WARNING " not in ln]
-        assert p.returncode == 2 and len(lines) == 1 and lines[0].startswith(
+        assert code == 2 and len(lines) == 1 and lines[0].startswith(
             "pivotrl submit: ") and message in lines[0], (extra, stderr)
     assert not (tmp_path / "submitit").exists()                # nothing was submitted
 
