@@ -1,6 +1,10 @@
 """`pivotrl run`: rank layout, checks before any process, mpirun start-up and stop, signals,
 a killed worker, CPU caps. The job tests use a test controller (tests/programs/launch_ctl.py,
-PIVOTRL_CONTROLLER) on 2 nodes x 2 devices."""
+PIVOTRL_CONTROLLER). Suite time (issue 51): a job is almost all start-up (2 nodes x 2 devices
+~42 CPU-s, 2 x 1 ~31: `pivotrl run`'s preflight 5, each worker's torch + Megatron-Core 4.5, each
+node's forker's vLLM import 7), so only the query job runs 2 x 2 (every device's state and cap);
+the signal and failure jobs run 2 nodes x 1 device (a second node, its agent and a worker on it:
+world 4), and the two-runs-at-once test's runs are the query job and a 1-node job beside it."""
 from __future__ import annotations
 
 import json
@@ -68,15 +72,19 @@ def test_layout_names_from_slurm_and_placement():
 
 # ---- CPU shares and cgroups -------------------------------------------------------------------
 def _cfg(tiny_models: Path, tmp_path: Path, **cluster) -> Path:
+    """A job of `cluster` (2 nodes x 2 devices unless overridden), training on every device
+    (TP 2): every worker preloads Megatron-Core, as a training device does."""
     m = tiny_models
+    cluster = {"nodes": 2, "devices_per_node": 2, "device_kind": "cpu", "cpu_share": 0.2,
+               **cluster}
     data = {
-        "cluster": {"nodes": 2, "devices_per_node": 2, "device_kind": "cpu", "cpu_share": 0.2,
-                    **cluster},
+        "cluster": cluster,
         "models": {"policy": {"path": str(m / "policy"), "max_prompt_len": 32,
                               "max_response_len": 32},
                    "genrm": {"path": str(m / "genrm"), "max_prompt_len": 80,
                              "max_response_len": 16}},
-        "roles": {"train_devices": 4, "train_tensor_parallel": 2},
+        "roles": {"train_devices": cluster["nodes"] * cluster["devices_per_node"],
+                  "train_tensor_parallel": 2},
         "data": {"train": str(m / "data" / "train.parquet"),
                  "validation": str(m / "data" / "aime-style.parquet")},
         "trace": {"path": str(tmp_path / "out" / "job.h5")},
@@ -291,11 +299,28 @@ def _leftovers(job: str) -> list[str]:
     return shm + groups
 
 
-def test_start_query_shutdown_caps_applied(tiny_models, tmp_path):
-    job = Job(_cfg(tiny_models, tmp_path), _env(tmp_path, "query_all"))
-    rc = job.finish()
-    seconds = time.monotonic() - job.t0
-    assert rc == 0, job.stderr
+SMALL = {"devices_per_node": 1}   # 2 nodes x 1 device: ranks 0 agent+controller n0, 1 worker
+#                                   d0 n0, 2 agent n1, 3 worker d1 n1
+
+
+@pytest.fixture(scope="module")
+def two_runs(tiny_models, tmp_path_factory) -> dict[str, tuple[Job, Path, float]]:
+    """Two `pivotrl run`s started together on this machine, both to their end: "a", the
+    2 x 2 query job; "b", a 1-node x 2-device one. name -> (job, its folder, seconds)."""
+    started = {}
+    for name, cluster in (("a", {}), ("b", {"nodes": 1})):
+        tmp = tmp_path_factory.mktemp(f"run-{name}")
+        started[name] = (Job(_cfg(tiny_models, tmp, **cluster), _env(tmp, "query_all")), tmp)
+    runs = {}
+    for name, (job, tmp) in started.items():
+        job.finish()
+        runs[name] = (job, tmp, time.monotonic() - job.t0)
+    return runs
+
+
+def test_start_query_shutdown_caps_applied(two_runs):
+    job, tmp_path, seconds = two_runs["a"]
+    assert job.proc.returncode == 0, job.stderr
     summary_json = tmp_path / "out" / "job.summary.json"
     assert job.out[-1] == f"summary: {summary_json}\n"
     summary = json.loads(summary_json.read_text())
@@ -307,29 +332,27 @@ def test_start_query_shutdown_caps_applied(tiny_models, tmp_path):
     logs = tmp_path / "out" / "job.logs"
     assert sorted(p.name for p in logs.glob("rank-*.log")) == [f"rank-{r}.log" for r in range(6)]
     assert "worker of device 3 serving" in (logs / "rank-5.log").read_text()
-    print(f"start + query + stop of a 2 x 2 job: {seconds:.1f} s")
+    print(f"start + query + stop of a 2 x 2 job (beside a 1 x 2 one): {seconds:.1f} s")
 
 
-def test_two_runs_at_once_on_one_machine_both_complete(tiny_models, tmp_path):
-    """Issue 11.11: each run has its own id, GPS files, ports and cgroups."""
-    jobs = []
-    for name in ("a", "b"):
-        (tmp_path / name).mkdir()
-        jobs.append(Job(_cfg(tiny_models, tmp_path / name, nodes=1),
-                        _env(tmp_path / name, "query_all"), "roles.train_devices=2"))
-    rcs = [job.finish() for job in jobs]
-    assert rcs == [0, 0], [job.stderr[-2000:] for job in jobs]
-    assert jobs[0].job != jobs[1].job
-    for name, job in zip("ab", jobs):
-        summary = json.loads((tmp_path / name / "out" / "job.summary.json").read_text())
-        assert summary["world"] == 3 and summary["shutdown"] == {"0": True, "1": True}
-        assert _leftovers(job.job) == []
+def test_two_runs_at_once_on_one_machine_both_complete(two_runs):
+    """Issue 11.11: each run has its own id, GPS files, ports and cgroups. The runs are
+    the query job above (2 x 2, world 6) and a 1 x 2 job (world 3), started together."""
+    jobs = {name: job for name, (job, _, _) in two_runs.items()}
+    assert [job.proc.returncode for job in jobs.values()] == [0, 0], \
+        [job.stderr[-2000:] for job in jobs.values()]
+    assert jobs["a"].job != jobs["b"].job
+    for name, world, devices in (("a", 6, 4), ("b", 3, 2)):
+        summary = json.loads((two_runs[name][1] / "out" / "job.summary.json").read_text())
+        assert summary["world"] == world
+        assert summary["shutdown"] == {str(d): True for d in range(devices)}
+        assert _leftovers(jobs[name].job) == []
 
 
 def test_sigterm_mid_run_stops_in_order(tiny_models, tmp_path):
     # the shutdown timeout bounds the end of a job, not the job: ranks wait longer than it
     env = _env(tmp_path, "until_stopped", PIVOTRL_SHUTDOWN_TIMEOUT_S="2")
-    job = Job(_cfg(tiny_models, tmp_path), env)
+    job = Job(_cfg(tiny_models, tmp_path, **SMALL), env)
     job.wait_for("controller running")
     time.sleep(4)
     t = time.monotonic()
@@ -340,14 +363,14 @@ def test_sigterm_mid_run_stops_in_order(tiny_models, tmp_path):
     assert (tmp_path / "out" / "job.h5").read_text().startswith("closed after")
     assert _leftovers(job.job) == []
     logs = tmp_path / "out" / "job.logs"
-    for r in range(6):   # every rank stopped in order, none was killed
+    for r in range(4):   # every rank stopped in order, none was killed
         assert "stopped in order after SIGTERM" in (logs / f"rank-{r}.log").read_text(), r
     assert "removed" not in job.stderr   # the launcher found nothing left to sweep
     print(f"SIGTERM to exit: {time.monotonic() - t:.1f} s")
 
 
 def test_launcher_killed_job_stops_by_itself(tiny_models, tmp_path):
-    job = Job(_cfg(tiny_models, tmp_path), _env(tmp_path, "until_stopped"))
+    job = Job(_cfg(tiny_models, tmp_path, **SMALL), _env(tmp_path, "until_stopped"))
     job.wait_for("controller running")
     name = job.job
     job.proc.kill()
@@ -362,11 +385,11 @@ def test_launcher_killed_job_stops_by_itself(tiny_models, tmp_path):
 
 
 @pytest.mark.parametrize("rank,named", [
-    (4, "rank 4 (worker of device 2, node n1), host "),
-    # n1's GPS agent: its clients (n1's workers) lose their agent
-    (3, "rank 3 (GPS agent, node n1), host ")])
+    (3, "rank 3 (worker of device 1, node n1), host "),
+    # n1's GPS agent: its client (n1's worker) loses its agent
+    (2, "rank 2 (GPS agent, node n1), host ")])
 def test_sigkill_of_a_worker_or_agent_ends_job_naming_rank(tiny_models, tmp_path, rank, named):
-    job = Job(_cfg(tiny_models, tmp_path), _env(tmp_path, "until_stopped"))
+    job = Job(_cfg(tiny_models, tmp_path, **SMALL), _env(tmp_path, "until_stopped"))
     job.wait_for("controller running")
     logs = tmp_path / "out" / "job.logs"
     os.kill(int((logs / f"rank-{rank}.pid").read_text().split()[0]), signal.SIGKILL)
@@ -377,7 +400,7 @@ def test_sigkill_of_a_worker_or_agent_ends_job_naming_rank(tiny_models, tmp_path
     line = job.stderr.strip().splitlines()[-1]
     assert line.startswith(f"pivotrl run: {named}"), line
     assert "signal 9" in line and f"rank-{rank}.log" in line
-    assert rank != 4 or "role idle" in line
+    assert "worker" not in named or "role idle" in line
     assert _leftovers(job.job) == []
     print(f"SIGKILL of rank {rank} to exit: {seconds:.1f} s")
 
@@ -386,15 +409,15 @@ def test_stray_sigterm_to_a_blocked_worker_ends_the_job_after_grace(tiny_models,
     """A worker waiting in MPI recv cannot run a Python signal handler; its watchdog still
     ends it after the grace period, and the job stops naming it, instead of hanging."""
     env = _env(tmp_path, "idle", PIVOTRL_STOP_GRACE_S="2")
-    job = Job(_cfg(tiny_models, tmp_path), env)
+    job = Job(_cfg(tiny_models, tmp_path, **SMALL), env)
     job.wait_for("controller running")
     logs = tmp_path / "out" / "job.logs"
-    os.kill(int((logs / "rank-4.pid").read_text().split()[0]), signal.SIGTERM)
+    os.kill(int((logs / "rank-3.pid").read_text().split()[0]), signal.SIGTERM)
     t = time.monotonic()
     rc = job.finish(timeout=30)
     assert rc == 1 and time.monotonic() - t < 30
     line = job.stderr.strip().splitlines()[-1]
-    assert line.startswith("pivotrl run: rank 4 (worker of device 2, node n1), host "), line
+    assert line.startswith("pivotrl run: rank 3 (worker of device 1, node n1), host "), line
     assert "not done 2 s after SIGTERM" in line
     assert _leftovers(job.job) == []
 
@@ -453,7 +476,7 @@ def test_a_refused_rank_ends_the_job_with_exit_2(tmp_path):
 
 
 def test_controller_failure_names_rank_0(tiny_models, tmp_path):
-    job = Job(_cfg(tiny_models, tmp_path), _env(tmp_path, "fails"))
+    job = Job(_cfg(tiny_models, tmp_path, **SMALL), _env(tmp_path, "fails"))
     rc = job.finish()
     assert rc == 1
     line = job.stderr.strip().splitlines()[-1]
