@@ -62,6 +62,9 @@ def test_pivot_sbatch_refuses_a_wrong_allocation_before_srun(refused, slurm_clus
     job, res = refused[case]
     assert (res.state, res.exit_code) == ("FAILED", 2), res
     assert "pivot.sbatch: error: " in res.output and REFUSALS[case][4] in res.output, res.output
+    # refused before any work: the error is the job's only line (the allocation is checked
+    # before the preflight builds the RL task, seconds of CPU that log as they go)
+    assert len(res.output.strip().splitlines()) == 1, res.output
     assert not [s for s in sacct_states(slurm_cluster, job) if s.startswith(f"{job}.")
                 and s.split(".")[1][:1].isdigit()], "a job step started"
 
