@@ -6,6 +6,7 @@ pickle) on the worker protocol's tags.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 from pivotrl_hpc.protocol import mpi
@@ -41,6 +42,9 @@ def send_reply(comm, reply: Reply, controller: int) -> None:
     mpi.send_bytes(comm, data, controller, TAG_REPLY)
 
 
+REPLY_NAP_S = 0.005   # between polls of a WorkerClient's reply
+
+
 @dataclass
 class WorkerClient:
     """A blocking client of one worker rank's `serve` loop (launch's shutdown, test programs);
@@ -53,7 +57,13 @@ class WorkerClient:
         return mpi.isend(self.comm, WORKER_WIRE, cmd, self.rank, TAG_COMMAND)
 
     def result(self) -> Reply:
-        return mpi.recv(self.comm, WORKER_WIRE, self.rank, TAG_REPLY)
+        # polled with naps, as the controller's handles wait: Open MPI busy-polls a blocking
+        # receive on a core (~9 CPU-s while a killed worker's job waits for mpirun's SIGKILL)
+        while True:
+            got, reply = mpi.try_recv(self.comm, WORKER_WIRE, self.rank, TAG_REPLY)
+            if got:
+                return reply
+            time.sleep(REPLY_NAP_S)
 
     def call(self, cmd: Command) -> Reply:
         self.submit(cmd).wait()

@@ -10,8 +10,7 @@ from pathlib import Path
 
 from pivotrl_hpc.runtime import cgroup
 from pivotrl_hpc.launch.layout import RunPaths
-from pivotrl_hpc.protocol import mpi
-from pivotrl_hpc.protocol.messages import TAG_REPLY, WORKER_WIRE, QueryState, Reply, Shutdown
+from pivotrl_hpc.protocol.messages import QueryState, Shutdown
 from pivotrl_hpc.runtime.serve import WorkerClient
 
 PROGRESS = logging.getLogger("pivotrl_hpc.controller.launch_test")  # -> rank 0's stdout
@@ -21,20 +20,8 @@ def _handles(comm, layout):
     return {d: WorkerClient(comm, layout.worker_rank(d)) for d in layout.devices}
 
 
-def _call(h: WorkerClient, cmd) -> Reply:
-    """`h.call(cmd)`, its reply polled with naps as the controller's never-blocking handles
-    wait: a blocking MPI probe busy-polls a core (Open MPI), ~9 CPU-s while a killed worker's
-    job waits for mpirun's SIGKILL (issue 51)."""
-    h.submit(cmd).wait()
-    while True:
-        got, reply = mpi.try_recv(h.comm, WORKER_WIRE, h.rank, TAG_REPLY)
-        if got:
-            return reply
-        time.sleep(0.005)
-
-
 def _shutdown(handles) -> dict:
-    return {d: _call(h, Shutdown()).ok for d, h in handles.items()}
+    return {d: h.call(Shutdown()).ok for d, h in handles.items()}
 
 
 def _caps(cfg, layout) -> dict:
@@ -50,7 +37,7 @@ def query_all(cfg, comm, layout, trace_path, stopper=None):
     """Every worker answers a QueryState; report their states and CPU caps; Shutdown."""
     handles = _handles(comm, layout)
     try:
-        states = {d: _call(h, QueryState()) for d, h in handles.items()}
+        states = {d: h.call(QueryState()) for d, h in handles.items()}
         caps = _caps(cfg, layout)
     finally:
         shut = _shutdown(handles)
@@ -68,7 +55,7 @@ def until_stopped(cfg, comm, layout, trace_path, stopper=None):
     try:
         while True:
             for h in handles.values():
-                _call(h, QueryState())
+                h.call(QueryState())
             rounds += 1
             if rounds == 1:
                 PROGRESS.info("controller running")
@@ -90,7 +77,7 @@ def idle(cfg, comm, layout, trace_path, stopper=None):
     handles = _handles(comm, layout)
     try:
         for h in handles.values():
-            _call(h, QueryState())
+            h.call(QueryState())
         PROGRESS.info("controller running")
         while True:
             time.sleep(0.1)
