@@ -83,7 +83,10 @@ def test_a_fit_whose_steps_run_out_says_it_has_not_converged():
 def test_a_fit_at_its_least_squares_optimum_ends_with_no_further_improvement():
     """Two baselines that every factor moves alike but whose bars differ by 2x: no point is
     within 10 %, the fit settles at the least-squares compromise (about +-41 %) and ends
-    there with no further improvement, no factor at a bound, before its steps run out."""
+    there with no further improvement before its steps run out. Inside bounds it never
+    reaches that is convergence; under the H20's limits the same fit comes to rest with
+    training on its 60 % MFU bound, and that end is called at_bound (not converged), the
+    factor and the baselines beyond 10 % named."""
     ws = (0.3, 0.6, 0.1)
 
     def evaluate(x):
@@ -91,13 +94,24 @@ def test_a_fit_at_its_least_squares_optimum_ends_with_no_further_improvement():
         return {"colocated": 2 * TARGET["colocated"] / t,
                 "disaggregated": TARGET["disaggregated"] / t,
                 "rr_colocated": 1.41 * TARGET["rr_colocated"] / t}
+    wide = {k: (1e-3, 1e3) for k in cal.FREE}
     fit = cal.fit(evaluate, TARGET, {k: 1.0 for k in cal.FREE}, steps=20,
-                  jacobian=cal.PRIOR)
+                  jacobian=cal.PRIOR, limits=wide)
     assert fit.end == cal.NO_IMPROVEMENT and fit.converged and not fit.ok
+    assert cal.pinned(fit.params, wide) == {}
     assert len(fit.history) < 1 + 20
     assert fit.residuals["colocated"] == pytest.approx(0.41, abs=0.03)
     assert fit.residuals["disaggregated"] == pytest.approx(-0.29, abs=0.03)
     assert "settled" in fit.why and f"probe {len(fit.history) - 1}" in fit.why
+    h20 = cal.fit(evaluate, TARGET, {k: 1.0 for k in cal.FREE}, steps=20,
+                  jacobian=cal.PRIOR)
+    assert h20.params["train_scale"] == cal.LIMITS["train_scale"][0]
+    assert h20.end == cal.AT_BOUND and not h20.converged
+    assert h20.why.startswith("the best point, probe ")
+    assert "train_scale 0.5834 at its lower bound (training at 60% MFU)" in h20.why
+    assert f"colocated {h20.residuals['colocated']:+.1%}, disaggregated " \
+        f"{h20.residuals['disaggregated']:+.1%} beyond 10%" in h20.why
+    assert "settled" in h20.why    # the rule that stopped it, after the bound
 
 
 def test_the_fit_stops_at_once_when_the_start_is_within_tolerance():
@@ -144,10 +158,13 @@ def test_every_point_is_one_an_h20_can_run_and_the_fit_stops_at_its_bounds():
         assert cal.MFU_RANGE[0] <= eff["train_mfu"] <= cal.MFU_RANGE[1]
     assert fit.params == {k: lo for k, (lo, _) in cal.LIMITS.items()}
     assert len(calls) < 1 + 8 and not fit.ok
-    # it ended because no point inside the bounds comes closer, and says every factor is
-    # pinned at the bound of the H20's limit
-    assert fit.end == cal.NO_IMPROVEMENT and fit.converged
+    # no point inside the bounds comes closer, but the bound ended it, not the data: not
+    # converged, at_bound, the factors on it and the baselines beyond 10 % named
+    assert fit.end == cal.AT_BOUND and not fit.converged
     assert "every factor's lower bound" in fit.why
+    assert "policy_scale 0.8236 at its lower bound (policy decode at 85% of peak HBM)" \
+        in fit.why
+    assert all(f"{p} {fit.residuals[p]:+.1%}" in fit.why for p in cal.BASELINES)
     assert cal.pinned(fit.params) == {
         "policy_scale": "lower bound (policy decode at 85% of peak HBM)",
         "genrm_scale": "lower bound (GenRM decode at 85% of peak HBM)",
@@ -156,7 +173,9 @@ def test_every_point_is_one_an_h20_can_run_and_the_fit_stops_at_its_bounds():
     # one baseline inside 10 % goes on stepping (here: nothing left to step, the bounds)
     mixed = cal.fit(lambda x: {**evaluate(x), "colocated": TARGET["colocated"]}, TARGET,
                     dict(fit.params), steps=3, jacobian=cal.PRIOR)
-    assert mixed.end == cal.NO_IMPROVEMENT and "every factor's" not in mixed.why
+    assert mixed.end == cal.AT_BOUND and "every factor's" not in mixed.why
+    named = mixed.why.split(" beyond ")[0].split(", with ")[1].split(", ")
+    assert [n.split()[0] for n in named] == ["disaggregated", "rr_colocated"]
     # a start outside the limits (the 1.5B group's old 0.42 / 0.36) is clipped first
     first = cal.fit(evaluate, TARGET, {"policy_scale": 0.42, "genrm_scale": 0.36,
                                        "train_scale": 9.0}, steps=0).history[0]["params"]
@@ -195,8 +214,14 @@ def test_each_shipped_calibration_is_inside_what_an_h20_can_do(group):
     assert rec["settings"]["steps"] == STEPS
     # which end the fit reached, and the factors it leaves at a bound
     conv = rec["convergence"]
-    assert conv["end"] in (cal.WITHIN, cal.NO_IMPROVEMENT, cal.ITERATIONS, cal.INTERRUPTED)
+    assert conv["end"] in (cal.WITHIN, cal.NO_IMPROVEMENT, cal.ITERATIONS, cal.INTERRUPTED,
+                           cal.AT_BOUND)
     assert conv["converged"] == (conv["end"] in (cal.WITHIN, cal.NO_IMPROVEMENT))
+    # a fit resting on a bound with a baseline beyond 10 % is not called converged
+    off = [p for p, v in rec["residuals"].items() if abs(v) > cal.TOLERANCE]
+    if conv["pinned"] and off:
+        assert conv["end"] in (cal.AT_BOUND, cal.ITERATIONS, cal.INTERRUPTED)
+        assert not conv["converged"]
     assert conv["pinned"] == cal.pinned(doc["calibration"]) and conv["why"]
     assert (conv["end"] == cal.WITHIN) == rec["within_tolerance"]
 

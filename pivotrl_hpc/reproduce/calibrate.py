@@ -21,8 +21,11 @@ held at a bound), or a step improved the fit by less than FTOL (it has settled),
 steps from the best point kept making it worse (each halves the trust radius) until the
 radius is below MIN_RADIUS, or a probe sits at the corner of the
 bounds every residual points past (every cost the least an H20 allows and every baseline
-still too slow, or the reverse). A fit whose steps run out first (ITERATIONS) or that is
-stopped (INTERRUPTED) has not converged, and its record says so. Its Jacobian starts from
+still too slow, or the reverse). A NO_IMPROVEMENT end whose best point is outside
+TOLERANCE with a factor on a bound is AT_BOUND instead (`called`): the bound, not the data,
+stopped it, and the record names the factor and the residuals. AT_BOUND, a fit whose steps
+run out first (ITERATIONS) and one that is stopped (INTERRUPTED) have not converged, and
+the record says so. Its Jacobian starts from
 PRIOR and Broyden's rule corrects it, so a group costs one run set a step. `evaluate` is
 injected, so the fit itself is tested without a simulator.
 """
@@ -124,9 +127,11 @@ def _solve(jac: list[list[float]], rhs: list[float]) -> list[float]:
     return [a[i][n] / a[i][i] for i in range(n)]
 
 
-# How a fit ended (`Fit.end`): the first two are convergence in issue 50's sense
+# How a fit ended (`Fit.end`): the first two are convergence; AT_BOUND is a fit that
+# stopped improving with its best point outside TOLERANCE and a factor on a bound: the
+# bound, not the data, ended it, so it has not converged (`called`)
 WITHIN, NO_IMPROVEMENT = "within_tolerance", "no_further_improvement"
-ITERATIONS, INTERRUPTED = "iterations_spent", "interrupted"   # not converged
+ITERATIONS, INTERRUPTED, AT_BOUND = "iterations_spent", "interrupted", "at_bound"
 
 
 @dataclass
@@ -188,18 +193,19 @@ def fit(evaluate: Evaluate, target: dict[str, float], start: dict[str, float],
     e = run(x)
     end = _ended(history, limits)
     if end or steps <= 0:
-        return _best(history, *(end or (ITERATIONS, "no step was allowed (steps 0)")))
+        return _best(history, *(end or (ITERATIONS, "no step was allowed (steps 0)")),
+                     limits=limits)
     jac = [list(row) for row in jacobian] if jacobian is not None else _measured(run, x, e)
     radius, worse = MAX_LOG_STEP, []
     for _ in range(steps):
         if end := _ended(history, limits):
-            return _best(history, *end)
+            return _best(history, *end, limits=limits)
         dx = _bounded_step(jac, e, x, limits)
         dx = [max(-radius, min(radius, d)) for d in dx]
         new = {k: clip(k, x[k] * math.exp(d)) for k, d in zip(FREE, dx)}
         real = [math.log(new[k] / x[k]) for k in FREE]
         if max(map(abs, real)) < 1e-3:
-            return _best(history, NO_IMPROVEMENT, _pinned_why(x, limits))
+            return _best(history, NO_IMPROVEMENT, _pinned_why(x, limits), limits=limits)
         e_new = run(new)
         _broyden(jac, real, [a - b for a, b in zip(e_new, e)])
         if _sq(e_new) < _sq(e):
@@ -209,16 +215,19 @@ def fit(evaluate: Evaluate, target: dict[str, float], start: dict[str, float],
                 return _best(history, NO_IMPROVEMENT,
                              f"probe {len(history) - 1}, the step from the best point, "
                              f"improved the sum of squared log residuals by {gain:.2%} "
-                             f"(< {FTOL:.0%}): the fit has settled inside the bounds")
+                             f"(< {FTOL:.0%}): the fit has settled inside the bounds",
+                             limits=limits)
         else:   # worse: the Jacobian has learnt from it; a shorter step from the same point
             worse.append(len(history) - 1)
             radius = max(map(abs, real)) / 2
             if radius < MIN_RADIUS:
                 return _best(history, NO_IMPROVEMENT,
                              f"the steps from the best point (probes {worse}) each made the "
-                             f"fit worse until the trust radius fell below {MIN_RADIUS}")
+                             f"fit worse until the trust radius fell below {MIN_RADIUS}",
+                             limits=limits)
     return _best(history, *(_ended(history, limits) or (
-        ITERATIONS, f"the {steps} steps allowed were spent before either end: not converged")))
+        ITERATIONS, f"the {steps} steps allowed were spent before either end: not converged")),
+                 limits=limits)
 
 
 def _at(x: dict[str, float], k: str, limits: dict) -> str | None:
@@ -311,10 +320,31 @@ def best(history: list[dict], start: dict[str, float]) -> Fit:
         Fit({k: _sig(start[k]) for k in FREE}, {}, {}, end=INTERRUPTED, why=why)
 
 
-def _best(history: list[dict], end: str = "", why: str = "") -> Fit:
-    """The point of the smallest sum of squared log residuals (what the steps minimise)."""
-    b = min(history, key=lambda h: sum(math.log1p(v) ** 2 for v in h["residuals"].values()))
-    return Fit(b["params"], b["ours"], b["residuals"], history, end, why)
+def _best(history: list[dict], end: str = "", why: str = "",
+          limits: dict | None = None) -> Fit:
+    """The point of the smallest sum of squared log residuals (what the steps minimise),
+    its end called by its name (`called`)."""
+    i, b = min(enumerate(history),
+               key=lambda ih: sum(math.log1p(v) ** 2 for v in ih[1]["residuals"].values()))
+    return Fit(b["params"], b["ours"], b["residuals"], history,
+               *called(end, why, b["params"], b["residuals"], i, limits))
+
+
+def called(end: str, why: str, params: dict[str, float], res: dict[str, float],
+           probe: int, limits: dict | None = None) -> tuple[str, str]:
+    """A NO_IMPROVEMENT end whose best point (`probe`) is outside TOLERANCE with a factor
+    on a bound is AT_BOUND, not converged: `why` then names the factors on a bound (the
+    H20 limit each is) and the baselines beyond TOLERANCE, before the rule that stopped
+    it. Any other end is returned as it is."""
+    on = pinned(params, limits)
+    off = {p: v for p, v in res.items() if abs(v) > TOLERANCE}
+    if end != NO_IMPROVEMENT or not on or not off:
+        return end, why
+    return AT_BOUND, (
+        f"the best point, probe {probe}, rests on a bound: "
+        + ", ".join(f"{k} {params[k]:.4g} at its {v}" for k, v in on.items())
+        + f", with {', '.join(f'{p} {v:+.1%}' for p, v in off.items())} beyond "
+        f"{TOLERANCE:.0%} of the bar; the fit stopped because {why}")
 
 
 def pinned(params: dict[str, float], limits: dict | None = None) -> dict[str, str]:
