@@ -23,9 +23,10 @@ PACKAGE = "pivotrl_hpc"
 # Top floor first; a package may import the packages on the floors below its own.
 # ARCHITECTURE.md's order, with the packages it does not list placed by what they hold:
 # reproduce drives simulations and runs (above sim and launch); sim drives the controller;
-# report reads traces; checkpoint holds run state the runtime saves; assets makes the CPU
-# demo's models and data (its GenRM warm start uses the task's judge and rewards) above the
-# RL task; protocol is the vocabulary below them all;
+# report reads traces; trace writes its files through checkpoint's checked folders
+# (checkpoint.folders), so it sits right above it; checkpoint holds run state the runtime
+# saves; assets makes the CPU demo's models and data (its GenRM warm start uses the task's
+# judge and rewards) above the RL task; protocol is the vocabulary below them all;
 # config is the leaf, over only the registry of environment variables.
 FLOORS: tuple[tuple[str, ...], ...] = (
     ("cli",),
@@ -35,6 +36,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("controller",),
     ("report",),
     ("runtime",),
+    ("trace",),
     ("checkpoint",),
     ("engines",),
     ("gps",),
@@ -42,10 +44,10 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("task",),
     ("plan",),
     ("sched",),
-    ("trace",),
     ("protocol",),
     ("config",),
     ("envs",),   # the one registry of environment variables (pivotrl_hpc/envs.py)
+    ("terminal",),   # text from data made safe for a terminal (pivotrl_hpc/terminal.py)
 )
 # The controller and the simulator's modeled worker speak the worker protocol: they reach
 # workers through it, not through the worker's or the engines' own modules.

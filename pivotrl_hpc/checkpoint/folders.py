@@ -14,10 +14,16 @@ from, a "previous job" marker it sweeps by) or a symlink it writes through. So b
   back is still checked, owner included, by the callers);
 - a refusal is one line naming the folder, its owner and mode, and the fix (exit 2);
 - run files are written to a fresh temp file (O_EXCL | O_NOFOLLOW) and renamed into place,
-  both under the folder's descriptor: a planted symlink of that name is replaced, not followed.
+  both under the folder's descriptor: a planted symlink of that name is replaced, not followed;
+- every file and folder made here gets its mode set explicitly, whatever the umask: 0600 and
+  0700, or 0640 and 0750 with `trace.group_shared` (`file_mode`, `folder_mode`);
+- a control file another process leaves for the job (`read_own`) is opened O_NONBLOCK |
+  O_NOFOLLOW and used only when fstat says it is a regular file of this user (a FIFO never
+  blocks the reader).
 """
 from __future__ import annotations
 
+import logging
 import os
 import pwd
 import secrets
@@ -27,7 +33,18 @@ from pathlib import Path
 from pivotrl_hpc.checkpoint.layout import CheckpointError, root_for
 
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_NEW = os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 MAX_LINKS = 40
+log = logging.getLogger(__name__)
+
+
+def file_mode(group_shared: bool = False) -> int:
+    """A run file's mode: the user's alone, or also readable by a shared folder's group."""
+    return 0o640 if group_shared else 0o600
+
+
+def folder_mode(group_shared: bool = False) -> int:
+    return 0o750 if group_shared else 0o700
 
 
 class RunFolderError(CheckpointError):
@@ -42,9 +59,14 @@ def _user(uid: int) -> str:
         return "no such user"
 
 
+def _kind(st: os.stat_result) -> str:
+    return ("a symlink" if stat.S_ISLNK(st.st_mode) else "a folder" if stat.S_ISDIR(st.st_mode)
+            else "a FIFO" if stat.S_ISFIFO(st.st_mode) else "a file" if stat.S_ISREG(st.st_mode)
+            else "a special file")
+
+
 def _refuse(path: str, st: os.stat_result, why: str) -> RunFolderError:
-    kind = "a symlink" if stat.S_ISLNK(st.st_mode) else \
-        "a folder" if stat.S_ISDIR(st.st_mode) else "a file"
+    kind = _kind(st)
     return RunFolderError(
         f"{path} is {kind} of uid {st.st_uid} ({_user(st.st_uid)}) with mode "
         f"{stat.S_IMODE(st.st_mode):o}: {why}; another account could plant the run's files "
@@ -70,10 +92,12 @@ def open_folder(path: str | os.PathLike, *, own: int = 1, create: bool = False,
                 group_shared: bool = False) -> int:
     """The folder `path` opened level by level without following links, each checked: its
     last `own` levels are run folders (the user's own), the ones above them root's or the
-    user's (`_check_level`). `create`: missing levels are made (0755; 0775 group-shared).
-    Returns the descriptor (the caller closes it). RunFolderError, or OSError."""
+    user's (`_check_level`). `create`: missing levels are made (`folder_mode` whatever the
+    umask; a set-group-ID bit inherited from the level above kept). Returns the descriptor
+    (the caller closes it). RunFolderError, or OSError."""
     parts = list(Path(os.path.abspath(path)).parts[1:])
     fd, shown, links, i = os.open("/", _DIR), "/", 0, 0
+    made: set[tuple[int, str]] = set()
     try:
         while i < len(parts):
             name, is_own = parts[i], len(parts) - i <= own
@@ -83,7 +107,8 @@ def open_folder(path: str | os.PathLike, *, own: int = 1, create: bool = False,
                 if not create:
                     raise
                 try:
-                    os.mkdir(name, 0o775 if group_shared else 0o755, dir_fd=fd)
+                    os.mkdir(name, folder_mode(group_shared), dir_fd=fd)
+                    made.add((fd, name))
                 except FileExistsError:
                     pass
                 continue
@@ -105,6 +130,9 @@ def open_folder(path: str | os.PathLike, *, own: int = 1, create: bool = False,
                 continue
             shown = os.path.join(shown, name)
             try:
+                if (fd, name) in made:
+                    os.fchmod(nxt, folder_mode(group_shared)
+                              | os.fstat(nxt).st_mode & stat.S_ISGID)
                 _check_level(shown, os.fstat(nxt), is_own, group_shared)
             except BaseException:
                 os.close(nxt)
@@ -150,35 +178,87 @@ def _check_existing_above(run: Path, group_shared: bool) -> None:
 def write_text(folder: str | os.PathLike, name: str, text: str, group_shared: bool = False,
                own: int = 1) -> None:
     """`text` into `folder/name`: a fresh temp file, fsynced, renamed over `name`, all under
-    the folder's descriptor (a symlink named `name` is replaced, never followed)."""
+    the folder's descriptor (a symlink named `name` is replaced, never followed); its mode
+    `file_mode(group_shared)`."""
     fd = open_folder(folder, own=own, group_shared=group_shared)
     try:
-        write_at(fd, name, text)
+        write_at(fd, name, text, file_mode(group_shared))
     finally:
         os.close(fd)
 
 
-def write_at(dir_fd: int, name: str, text: str) -> None:
+def temp_at(dir_fd: int, name: str, mode: int = 0o600, flags: int = os.O_WRONLY) -> tuple[int, str]:
+    """A fresh file of the folder under a temp name beside `name` (O_EXCL | O_NOFOLLOW: never
+    anything that was there), set to `mode` whatever the umask: (descriptor, temp name)."""
     tmp = f".{name}.{secrets.token_hex(6)}.tmp"
-    f = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
-                dir_fd=dir_fd)
+    fd = os.open(tmp, _NEW | flags, mode, dir_fd=dir_fd)
     try:
-        with os.fdopen(f, "w") as out:
-            out.write(text)
-            out.flush()
-            os.fsync(out.fileno())
+        os.fchmod(fd, mode)
+    except BaseException:
+        os.close(fd)
+        _unlink_quietly(dir_fd, tmp)
+        raise
+    return fd, tmp
+
+
+def place_at(dir_fd: int, tmp: str, name: str) -> None:
+    """Rename the temp file `tmp` over `name` (a planted link, FIFO or file of that name is
+    replaced, never opened); the temp file removed if that fails."""
+    try:
         os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except BaseException:
-        try:
-            os.unlink(tmp, dir_fd=dir_fd)
-        except OSError:
-            pass
+        _unlink_quietly(dir_fd, tmp)
         raise
 
 
+def create_at(dir_fd: int, name: str, mode: int = 0o600,
+              flags: int = os.O_WRONLY | os.O_APPEND) -> int:
+    """A fresh, empty regular file `name` of the folder, open for writing (a log): made under
+    a temp name and renamed into place (`temp_at`, `place_at`). The caller closes it."""
+    fd, tmp = temp_at(dir_fd, name, mode, flags)
+    try:
+        place_at(dir_fd, tmp, name)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def create_in(folder: str | os.PathLike, name: str, group_shared: bool = False,
+              own: int = 1) -> int:
+    """`create_at` in `folder`, opened and checked as `open_folder` does, with
+    `file_mode(group_shared)`."""
+    dir_fd = open_folder(folder, own=own, group_shared=group_shared)
+    try:
+        return create_at(dir_fd, name, file_mode(group_shared))
+    finally:
+        os.close(dir_fd)
+
+
+def write_at(dir_fd: int, name: str, text: str, mode: int = 0o600) -> None:
+    fd, tmp = temp_at(dir_fd, name, mode)
+    try:
+        with os.fdopen(fd, "w") as out:
+            out.write(text)
+            out.flush()
+            os.fsync(out.fileno())
+    except BaseException:
+        _unlink_quietly(dir_fd, tmp)
+        raise
+    place_at(dir_fd, tmp, name)
+
+
+def _unlink_quietly(dir_fd: int, name: str) -> None:
+    try:
+        os.unlink(name, dir_fd=dir_fd)
+    except OSError:
+        pass
+
+
 def read_own(dir_fd: int, name: str, limit: int = 1 << 16) -> str | None:
-    """A small file of the folder, opened without following links, if it is a regular file
-    of this user (None when missing, a link, another account's, or larger than `limit`)."""
+    """A small file of the folder, opened without following links and without blocking (a
+    FIFO is opened but never read), if it is a regular file of this user (None when missing,
+    a link, a FIFO or another non-regular file, another account's, or larger than `limit`)."""
     try:
         f = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK,
                     dir_fd=dir_fd)
@@ -189,3 +269,29 @@ def read_own(dir_fd: int, name: str, limit: int = 1 << 16) -> str | None:
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_size > limit:
             return None
         return fh.read(limit).decode(errors="replace")
+
+
+def take_own(folder: str | os.PathLike, name: str, *, own: int = 2,
+             group_shared: bool = True) -> str | None:
+    """A control file another process of this user leaves in `folder` (a request, a marker):
+    its text if it is a regular file of this user (`read_own`), None when there is none. It
+    is removed either way; one that is not the user's regular file is ignored with a warning
+    naming it, owner and kind (a planted FIFO, link or file of another account)."""
+    try:
+        dir_fd = open_folder(folder, own=own, group_shared=group_shared)
+    except FileNotFoundError:
+        return None
+    try:
+        try:
+            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return None
+        text = read_own(dir_fd, name)
+        _unlink_quietly(dir_fd, name)
+        if text is None:
+            log.warning("ignored %s: %s of uid %d (%s), not a regular file of this user",
+                        os.path.join(folder, name), _kind(st), st.st_uid, _user(st.st_uid))
+        return text
+    finally:
+        os.close(dir_fd)
+

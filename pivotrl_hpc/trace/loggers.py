@@ -86,8 +86,9 @@ class WandbLogger:
 
 
 def sinks(trace_path: str | os.PathLike, trace_cfg, meta: dict) -> dict[str, Any]:
-    """TraceWriter's `tensorboard` and `loggers` arguments for `trace.loggers`."""
+    """TraceWriter's `tensorboard`, `loggers` and `group_shared` arguments for `trace`."""
     names = trace_cfg.loggers
     tb = tensorboard_dir(trace_path, trace_cfg.tensorboard or "tensorboard" in names)
     loggers = (WandbLogger(trace_path, meta),) if "wandb" in names else ()
-    return {"tensorboard": tb, "loggers": loggers}
+    return {"tensorboard": tb, "loggers": loggers,
+            "group_shared": bool(getattr(trace_cfg, "group_shared", False))}

@@ -36,8 +36,9 @@ class Trace:
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
-        self._file = h5py.File(self.path, "r", libver="latest", swmr=True,
-                               locking="best-effort")
+        # no file lock: another account that can open the file (a group-shared run's 0640)
+        # could hold one and fail every reader; SWMR's ordering needs none
+        self._file = h5py.File(self.path, "r", libver="latest", swmr=True, locking=False)
         try:
             attrs = self._file.attrs
             self.format = str(attrs.get("format", ""))

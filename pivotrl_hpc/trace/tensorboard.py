@@ -79,15 +79,25 @@ def record(payload: bytes) -> bytes:
 
 
 class EventWriter:
-    """One event file in `folder` (TensorBoard's name pattern); scalars per step."""
+    """One event file in `folder` (TensorBoard's name pattern); scalars per step. The folder
+    is the user's own (made `folder_mode`, checked level by level without following links);
+    the file is made fresh under the folder's descriptor (O_EXCL | O_NOFOLLOW, renamed into
+    place: a planted link of its name is replaced, never written through) with
+    `file_mode(group_shared)`, whatever the umask."""
 
-    def __init__(self, folder: str | os.PathLike):
+    def __init__(self, folder: str | os.PathLike, group_shared: bool = False):
+        from pivotrl_hpc.checkpoint.folders import create_at, file_mode, open_folder
+
         self.folder = Path(folder)
-        self.folder.mkdir(parents=True, exist_ok=True)
         now = time.time()
         self.path = self.folder / (f"events.out.tfevents.{int(now)}."
                                    f"{socket.gethostname()}.{os.getpid()}")
-        self._file = open(self.path, "wb")
+        dir_fd = open_folder(self.folder, own=1, create=True, group_shared=group_shared)
+        try:
+            fd = create_at(dir_fd, self.path.name, file_mode(group_shared), os.O_WRONLY)
+        finally:
+            os.close(dir_fd)
+        self._file = os.fdopen(fd, "wb")
         self._file.write(record(event_bytes(now, 0, file_version="brain.Event:2")))
         self._file.flush()
 

@@ -9,12 +9,14 @@ of them are created up front; afterwards the writer only resizes and writes data
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import threading
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import h5py
@@ -41,40 +43,66 @@ def _extend(ds: h5py.Dataset, values: np.ndarray) -> None:
     ds[start:] = values
 
 
+def _create_swmr(path: Path, group_shared: bool, layout: Callable[[h5py.File], None]) -> h5py.File:
+    """A new trace at `path`, with no lock another account could take in its way: made under
+    a temp name in its folder (checked, opened without following links: folders.temp_at) with
+    `file_mode(group_shared)`, opened by HDF5 through this process's descriptor of that very
+    file (/proc/self/fd: no name in between) with file locking off, laid out, switched to
+    SWMR, then renamed over `path` (a planted link is replaced; an old trace is replaced
+    whole, never truncated first, and its readers keep the old file)."""
+    # imported here: importing the trace package stays light (no config, no yaml)
+    from pivotrl_hpc.checkpoint.folders import file_mode, open_folder, place_at, temp_at
+
+    dir_fd = open_folder(path.parent, own=0, create=True, group_shared=group_shared)
+    try:
+        fd, tmp = temp_at(dir_fd, path.name, file_mode(group_shared), os.O_RDWR)
+        try:
+            f = h5py.File(f"/proc/self/fd/{fd}", "w", libver="latest", locking=False)
+        finally:
+            os.close(fd)
+        try:
+            layout(f)
+            f.swmr_mode = True
+            place_at(dir_fd, tmp, path.name)
+        except BaseException:
+            f.close()
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=dir_fd)
+            raise
+        return f
+    finally:
+        os.close(dir_fd)
+
+
 class TraceWriter:
     """One run's trace. ``append`` buffers; ``flush`` makes the rows visible to readers."""
 
     def __init__(self, path: str | os.PathLike, meta: dict | None = None,
                  write_every: int = WRITE_EVERY, tensorboard: str | os.PathLike | None = None,
-                 loggers: tuple = ()):
+                 loggers: tuple = (), group_shared: bool = False):
         """`tensorboard`: a folder that also receives every `steps` row's numbers as
         TensorBoard scalars (`steps/<column>` at the row's step). `loggers`: more sinks
         (trace.loggers, e.g. trace.wandb.WandbLogger) that get every `steps`, `validation`
-        and `samples` row as it is appended (`row(table, cells)`) and `close()`."""
+        and `samples` row as it is appended (`row(table, cells)`) and `close()`. The trace
+        and its folder get the run files' modes (`group_shared`: 0640 and 0750, else 0600
+        and 0700) whatever the umask."""
         check_schema(TABLES)
-        self.path = Path(path)
-        self._tb = EventWriter(tensorboard) if tensorboard is not None else None
+        self.path = Path(os.path.abspath(path))
+        self._tb = EventWriter(tensorboard, group_shared) if tensorboard is not None else None
         self._loggers = list(loggers)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         self._start = time.monotonic()
         self._write_every = max(1, int(write_every))
         self._lock = threading.Lock()
         self._buffers: dict[str, list[dict[str, Any]]] = {name: [] for name in TABLES}
         self._written = {name: 0 for name in TABLES}
         self._closed = False
-        self._file = h5py.File(self.path, "w", libver="latest", locking="best-effort")
-        try:
-            self._create_layout(meta or {})
-            self._file.swmr_mode = True
-        except BaseException:
-            self._file.close()
-            raise
+        self._file = _create_swmr(self.path, group_shared, lambda f: self._create_layout(f, meta))
         log.info("trace %s opened for writing (SWMR)", self.path)
 
-    def _create_layout(self, meta: dict) -> None:
-        f = self._file
+    @staticmethod
+    def _create_layout(f: h5py.File, meta: dict | None) -> None:
         f.attrs["format"] = FORMAT
-        f.attrs["meta"] = loose_json_bytes(meta).decode()
+        f.attrs["meta"] = loose_json_bytes(meta or {}).decode()
         f.attrs["schema"] = json.dumps(TABLES)
         f.create_dataset("_committed", data=np.zeros(len(TABLES), "i8"),
                          maxshape=(len(TABLES),), chunks=(len(TABLES),))
