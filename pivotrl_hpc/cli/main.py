@@ -13,6 +13,8 @@ import os
 import sys
 from dataclasses import dataclass
 
+from pivotrl_hpc.terminal import safe_logs
+
 
 @dataclass(frozen=True)
 class Command:
@@ -83,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     _quiet_engines(args.verbose)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    safe_logs()   # data's control characters reach the console escaped (terminal.py)
     if args.command is None:
         parser.print_help()
         return 2

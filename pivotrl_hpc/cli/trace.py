@@ -8,6 +8,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+from pivotrl_hpc.terminal import safe
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="trace_command", metavar="ACTION", required=True)
@@ -87,7 +89,9 @@ def samples(args: argparse.Namespace) -> int:
 
 
 def describe(r: dict) -> str:
-    """One sample for a person: a header line, then each text indented."""
+    """One sample for a person: a header line, then each text indented. The texts and the
+    data source are a dataset's and a model's: their control characters and bidi overrides
+    are shown escaped (terminal.safe), so no text drives the terminal or forges a header."""
     if r["kind"] == "train":
         head = (f"step {r['step']} train, sample {r['sample']}, policy v{r['version']}: "
                 f"reward {r['reward']:.3f} = verifiable {r['verifiable']:.3f} + GenRM "
@@ -95,12 +99,13 @@ def describe(r: dict) -> str:
     else:
         head = (f"evaluation after {r['step']} steps, sample {r['sample']}: "
                 f"{'correct' if r['correct'] == 1 else 'wrong'}")
-    lines = [f"== {head}" + (f" [{r['data_source']}]" if r["data_source"] else "")]
+    source = safe(r["data_source"], lines=False)
+    lines = [f"== {head}" + (f" [{source}]" if source else "")]
     for name, tokens in (("prompt", r["prompt_tokens"]), ("response", r["response_tokens"]),
                          ("judgement", r["judge_tokens"])):
         if name == "judgement" and r["kind"] != "train":
             continue
-        text = r[name] if isinstance(r[name], str) else ""
+        text = safe(r[name]) if isinstance(r[name], str) else ""
         lines.append(f"  {name} ({tokens} tokens):")
         lines.append(textwrap.indent(text.rstrip() or "(empty)", "    | "))
     return "\n".join(lines)

@@ -51,6 +51,7 @@ from pivotrl_hpc.launch.layout import (AGENT, CONTROLLER_RANK, LaunchError, Rank
 from pivotrl_hpc.launch.stop import Interrupted, Stopper, wait_barrier, watch_launcher
 from pivotrl_hpc.protocol import mpi
 from pivotrl_hpc.protocol.wire import PLAIN
+from pivotrl_hpc.terminal import SafeLogs
 
 log = logging.getLogger("pivotrl_hpc.launch")
 
@@ -348,11 +349,13 @@ def setup_logging(info: RankInfo, paths: RunPaths) -> None:
         h = logging.StreamHandler(stream)
         h.setLevel(level)
         h.setFormatter(fmt)
+        h.addFilter(SafeLogs())   # data's control characters escaped (terminal.py)
         root.addHandler(h)
     if info.controller:
         progress = logging.StreamHandler(stdout)
         progress.setLevel(logging.INFO)
         progress.setFormatter(logging.Formatter("%(message)s"))
+        progress.addFilter(SafeLogs())
         logging.getLogger("pivotrl_hpc.controller").addHandler(progress)
 
 

@@ -37,6 +37,7 @@ from pivotrl_hpc.config import Config, load_config
 from pivotrl_hpc.config.paradigm import normalize
 from pivotrl_hpc.config.validate import check_cpu_shares
 from pivotrl_hpc.runtime import cgroup
+from pivotrl_hpc.terminal import safe_logs
 from pivotrl_hpc.launch.diagnose import BAD_INPUT, bad_input, diagnose, job_exit_code
 from pivotrl_hpc.launch.layout import (LaunchError, RankLayout, RunPaths, expand_hostlist,
                                        job_ports)
@@ -400,6 +401,7 @@ def _log_to_stderr() -> None:
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                             format="%(asctime)s pivotrl %(levelname)s %(message)s")
+        safe_logs()
 
 
 if __name__ == "__main__":
