@@ -201,7 +201,7 @@ def calibrate(args: argparse.Namespace) -> int:
     import yaml
 
     from pivotrl_hpc.reproduce import calibrate as cal
-    from pivotrl_hpc.reproduce import paper
+    from pivotrl_hpc.reproduce import paper, targets
     from pivotrl_hpc.reproduce.experiments import FIG3_GROUP
     from pivotrl_hpc.reproduce.runs import Run, run_all
 
@@ -216,9 +216,10 @@ def calibrate(args: argparse.Namespace) -> int:
     (configs / "calibration").mkdir(exist_ok=True)
     out = {}
     for g in groups:
-        t0, fixed = time.monotonic(), cal.FIXED[g]
+        t0, fixed, busy = time.monotonic(), cal.FIXED[g], {}
 
-        def evaluate(params: dict[str, float], g=g, fixed=fixed, t0=t0) -> dict[str, float]:
+        def evaluate(params: dict[str, float], g=g, fixed=fixed, t0=t0,
+                     busy=busy) -> dict[str, float]:
             extra = (*fixed.overrides(), f"rl.steps={steps}",
                      *(f"calibration.{k}={v!r}" for k, v in params.items()))
             # Figure 3's group writes traces, so that its last run set serves fig3 too
@@ -230,13 +231,17 @@ def calibrate(args: argparse.Namespace) -> int:
             if failed:
                 raise RuntimeError("; ".join(failed))
             got = {o.run.paradigm: o.figures["processed_tokens_per_s"] for o in done}
-            print(f"calibrate: {g} {_fmt(params)} -> {_fmt(got, '.0f')} "
+            figures = {o.run.paradigm: o.figures for o in done}
+            got.update(targets.of_run(g, runs[cal.BASELINES.index('disaggregated')], figures))
+            busy[str(params)] = targets.training_busy(figures["disaggregated"])
+            print(f"calibrate: {g} {_fmt(params)} -> {_fmt(got, '.4g')} "
                   f"({time.monotonic() - t0:.0f} s)", file=sys.stderr)
             return got
 
         start, history, error = shipped(configs, g) | args.start, [], None
         try:
-            result = cal.fit(evaluate, {p: paper.FIG9[g][p] for p in cal.BASELINES}, start,
+            goal = {**{p: paper.FIG9[g][p] for p in cal.BASELINES}, **targets.paper(g)}
+            result = cal.fit(evaluate, goal, start,
                              args.iterations, None if args.measured_jacobian else cal.PRIOR,
                              history)
         # a simulator failure, or ^C (SIGINT) ending a long fit: keep what was measured
@@ -247,7 +252,8 @@ def calibrate(args: argparse.Namespace) -> int:
         settings = {"steps": steps, "seed": 0, "runs": 3 * len(result.history),
                     "wall_s": round(time.monotonic() - t0, 1),
                     "command": "pivotrl " + " ".join(sys.argv[1:])}
-        doc = cal.document(g, fixed, result, settings, error)
+        doc = cal.document(g, fixed, result, settings, error,
+                           busy.get(str(result.params)))
         path = configs / "calibration" / f"{g}.yaml"
         path.write_text(f"# {paper.TITLES[g]}: written by `pivotrl reproduce calibrate` "
                         f"(docs/calibration.md);\n# the paper config includes it, "

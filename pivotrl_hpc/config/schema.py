@@ -66,6 +66,7 @@ class RolesConfig:
     # gpu_memory_utilization - weight shard - activation workspace, summed over the replica.
     kv_cache_mb: int = 0
     gpu_memory_utilization: float = 0.9   # vLLM's: the fraction of a device an engine uses
+    max_num_seqs: int = 256   # vLLM's: sequences an inference engine decodes at once
     # Decode iterations per Step command: how often the controller hears from an inference
     # replica (and can Dispatch into the slots its finished sequences left)
     step_iterations: int = 4

@@ -15,7 +15,7 @@ from pivotrl_hpc.config.schema import GENRM_FAMILIES, Config, ModelConfig
 _POSITIVE = {
     "cluster": ("nodes", "devices_per_node", "cpu_share"),
     "roles": ("rollout_replica_size", "reward_replica_size", "train_devices",
-              "train_tensor_parallel", "step_iterations"),
+              "train_tensor_parallel", "step_iterations", "max_num_seqs"),
     "rl": ("group_size", "batch_size", "learning_rate", "steps"),
     "paradigm": ("horizon_s", "shift_seconds_rollout", "shift_seconds_reward",
                  "shift_seconds_training", "planner_interval_s"),

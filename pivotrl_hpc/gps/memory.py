@@ -84,7 +84,6 @@ class KVBudget:
     """One model's KV cache under `cfg`: bytes per device and tokens per replica."""
 
     def __init__(self, cfg: Any, model: str) -> None:
-        from pivotrl_hpc.protocol.engine import EngineOptions
         from pivotrl_hpc.gps.shapes import itemsize
 
         m = getattr(cfg.models, model)
@@ -99,7 +98,7 @@ class KVBudget:
                                              m.max_prompt_len + m.max_response_len)
         self.device_bytes = kv_bytes_per_device(
             self.shape, self.b, self.tp, self.memory, self.utilization, self.tokens_batched,
-            EngineOptions.max_num_seqs)
+            cfg.roles.max_num_seqs)
 
     @functools.cached_property
     def shape(self):

@@ -8,16 +8,33 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+# Prompts a step, sized from the paper's own timelines (docs/calibration.md, "The shared
+# workload"): Figure 10 (7B group) has PivotRL's three training phases end at 1,728.3 s
+# (576 s a step) beside "Disaggregated 2970.7" (990 s); Figure 15 reaches step 200 in ~30 h
+# for PivotRL (540 s) and > 50 h for the baselines (>= 900 s). At Figure 9's rates that is
+# 22,822 x 540-576 = 12.3-13.1M and 11,711 x 990 = 11.6M generated tokens a step; the
+# lengths below give 7,620 a sample (responses 1,070, judgements 6,550 on average), so
+# 1,520-1,720 samples, 95-108 prompts of 16: 96 (1,536 samples, 11.7M tokens).
+BATCH = 96
+# Figure 10's step seconds (7B group), the fit's step targets beside Figure 9's bars
+FIG10_STEP_S = {"qwen2.5-7b_qwen3-30b-a3b": {"disaggregated": 2970.7 / 3,
+                                             "shiftable": 1728.3 / 3}}
+
+
 @dataclass(frozen=True)
 class Fixed:
     """A group's fixed numbers: assumptions (the paper does not state them) and Figure 12's
     shift seconds (read off the figure, within §8.5's stated ranges)."""
-    batch_size: int = 32             # prompts a step (x rl.group_size 16 samples)
+    batch_size: int = BATCH          # prompts a step (x rl.group_size 16 samples)
     rollout_median: int = 650
     rollout_sigma: float = 1.0
     genrm_median: int = 5000
     genrm_sigma: float = 0.8
     judge_prompt_ratio: float = 1.0  # judge prompt = template + problem + the response
+    # the inference engines' caps: veRL's rollout defaults (Appendix E: "the same training
+    # and inference backends as veRL"; the paper states neither)
+    max_num_seqs: int = 1024
+    gpu_memory_utilization: float = 0.5
     # (up, down) seconds per role, Figure 12
     shifts: dict[str, tuple[float, float]] = field(default_factory=dict)
 
@@ -28,6 +45,8 @@ class Fixed:
                 f"workload.genrm_median={self.genrm_median}",
                 f"workload.genrm_sigma={self.genrm_sigma}",
                 f"workload.judge_prompt_ratio={self.judge_prompt_ratio}",
+                f"roles.max_num_seqs={self.max_num_seqs}",
+                f"roles.gpu_memory_utilization={self.gpu_memory_utilization}",
                 *(f"calibration.shift_{way}_s_{role}={s[i]}"
                   for role, s in self.shifts.items() for i, way in enumerate(("up", "down"))),
                 *(f"paradigm.shift_seconds_{role}={s[0]}" for role, s in self.shifts.items())]
@@ -54,12 +73,19 @@ SOURCES = {
     "models": "each model's HF config (layers, heads, experts): sim/standin.py cards",
     "splits": "paper Table 4 (the paper configs' train_devices and initial_* devices)",
     "caps": "paper §8.1: prompt 2K, response 15K, judgement 20K tokens",
-    "group_size, staleness": "16 samples a prompt (config), staleness 2 (paper §8.1, App. E)",
+    "group_size, staleness": "staleness 2 (paper Appendix E); 16 samples a prompt: an "
+                             "assumption (the paper does not state its group size)",
     "shift seconds": "paper Figure 12 read per model size (§8.5: inference up 1-9 s, down "
                      "< 2 s; training up 2-8.5 s, down < 6 s; Figure 13 text for 7B/30B)",
     "targets": "paper Figure 9 (reproduce/paper.py), colocated / disaggregated / "
                "rr_colocated bars",
-    "rl.batch_size": "assumption (the paper does not state prompts a step)",
+    "rl.batch_size": "assumption sized from the paper's timelines: Figure 10 (PivotRL 3 "
+                     "steps in 1,728.3 s, disaggregated 2,970.7 s) and Figure 15 (200 steps "
+                     "in ~30 h, baselines > 50 h) at Figure 9's rates: 11.6-13.1M generated "
+                     "tokens a step, 96 prompts x 16 samples at the shared lengths",
+    "roles.max_num_seqs, roles.gpu_memory_utilization": "assumption: veRL's rollout "
+        "defaults (1024, 0.5); Appendix E: disaggregated 'uses the same training and "
+        "inference backends as veRL'; the paper states neither",
     "workload": "assumption: log-normal lengths, responses median 650 (sigma 1.0), "
                 "judgements median 5000 (sigma 0.8), judge prompt = template + response "
                 "(issue 39's shape: judging reads the response, then thinks longer)",

@@ -134,9 +134,10 @@ def load_run(run: Run):
 
 
 # What `datasheet` keeps of a calibration file: its assumptions (prompts a step, the length
-# distributions; the record's "assumptions"), not its fit (calibration.*) nor Figure 12's
-# shift seconds, so that the two hardware settings run the same workload.
-ASSUMPTIONS = ("rl", "workload")
+# distributions, the engines' caps; the record's "assumptions"), not its fit
+# (calibration.*) nor Figure 12's shift seconds, so that the two hardware settings run
+# the same workload.
+ASSUMPTIONS = ("rl", "workload", "roles")
 
 
 PLANNER_PROFILES = ("exact", "datasheet")

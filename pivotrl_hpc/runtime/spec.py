@@ -109,6 +109,7 @@ def engine_options(cfg: Any, model: str):
                          device_memory_bytes=0 if kv.override else kv.memory,
                          tensor_parallel_size=size, seed=cfg.rl.seed,
                          omp_threads=omp_threads(cfg),
+                         max_num_seqs=cfg.roles.max_num_seqs,
                          enable_expert_parallel=m.expert_parallel > 1)
 
 

@@ -266,7 +266,8 @@ def modeled_workers(cfg: Config, constants: SimConstants, clock: VirtualClock
                              prefill_s_per_token=dict(constants.prefill_s_per_token),
                              write_local_s=constants.write_local_s,
                              write_replication_s=constants.write_replication_s,
-                             reload_s=constants.reload_s)
+                             reload_s=constants.reload_s,
+                             max_num_seqs=cfg.roles.max_num_seqs)
                for d in range(cfg.total_devices)]
     for w in workers:
         w._free_at = constants.startup_s   # nothing runs before the job has started
