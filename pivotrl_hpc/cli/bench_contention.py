@@ -115,7 +115,7 @@ def main(args) -> int:
         return 2
     steps = args.steps or 2
     out = Path(args.out).resolve() / "contention"
-    out.mkdir(parents=True, exist_ok=True)
+    out.mkdir(mode=0o700, parents=True, exist_ok=True)
     overrides = [f"models.policy.path={models / 'policy'}",
                  f"models.genrm.path={models / 'genrm'}",
                  f"data.train={models / 'data' / 'train.parquet'}",

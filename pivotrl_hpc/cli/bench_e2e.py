@@ -160,7 +160,7 @@ def workload(args) -> dict:
 
 def main(args: argparse.Namespace) -> int:
     started = time.monotonic()
-    Path(args.out).mkdir(parents=True, exist_ok=True)
+    Path(args.out).mkdir(mode=0o700, parents=True, exist_ok=True)
     if args.batch_size:
         args.overrides = [f"rl.batch_size={args.batch_size}", *args.overrides]
     result: dict = {}

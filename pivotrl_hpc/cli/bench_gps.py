@@ -56,7 +56,7 @@ def synthetic_model(folder: Path, size_mb: int) -> int:
            "intermediate_size": inter, "num_hidden_layers": int(layers),
            "num_attention_heads": 16, "num_key_value_heads": 8, "rope_theta": 1e6,
            "tie_word_embeddings": False, "max_position_embeddings": 4096}
-    folder.mkdir(parents=True, exist_ok=True)
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(cfg))
     shapes = ModelShape.from_hf_config(cfg).hf_param_shapes()
     tensors = {n: torch.full(s, float(i % 97) / 7.0) for i, (n, s) in enumerate(shapes.items())}

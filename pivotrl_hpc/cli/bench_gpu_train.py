@@ -41,7 +41,7 @@ def random_model(folder: Path, name: str, device: str) -> dict:
         else:
             t = torch.randn(shape, generator=g, device=device, dtype=torch.float32) * 0.02
             tensors[n] = t.to(torch.bfloat16).cpu()
-    folder.mkdir(parents=True, exist_ok=True)
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(cfg))
     save_file(tensors, str(folder / "model.safetensors"))
     return cfg

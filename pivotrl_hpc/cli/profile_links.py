@@ -63,7 +63,7 @@ def remote_fit(small: tuple[Path, int], large: tuple[Path, int],
 
 def write_links_yaml(path: Path, links: dict[str, float], header: str) -> None:
     import yaml
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     path.write_text(f"# {header}\n" + yaml.safe_dump({"gps": {"links": links}}))
 
 

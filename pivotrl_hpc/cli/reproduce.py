@@ -101,7 +101,7 @@ def main(args: argparse.Namespace) -> int:
     for name in ("pivotrl_hpc.controller", "pivotrl_hpc.sim"):   # one line a run, below
         logging.getLogger(name).setLevel(logging.WARNING)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out.mkdir(mode=0o700, parents=True, exist_ok=True)
     t0 = time.monotonic()
 
     def progress(o, done: int, total: int) -> None:
@@ -213,7 +213,7 @@ def calibrate(args: argparse.Namespace) -> int:
     steps = args.steps or STEPS
     for name in ("pivotrl_hpc.controller", "pivotrl_hpc.sim"):
         logging.getLogger(name).setLevel(logging.WARNING)
-    (configs / "calibration").mkdir(exist_ok=True)
+    (configs / "calibration").mkdir(mode=0o700, exist_ok=True)
     out = {}
     for g in groups:
         t0, fixed, busy = time.monotonic(), cal.FIXED[g], {}

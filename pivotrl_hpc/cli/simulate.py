@@ -140,7 +140,7 @@ def _main(args: argparse.Namespace) -> int:
         return 2
     constants = _constants(args, cfg)
     if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
+        Path(args.out).mkdir(mode=0o700, parents=True, exist_ok=True)
     bench_args = argparse.Namespace(config=args.config, overrides=args.overrides)
     result: dict = {}
     for paradigm in names:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from pivotrl_hpc.checkpoint import layout
+from pivotrl_hpc.checkpoint.folders import take_own, write_text
 from pivotrl_hpc.controller.flow import check_replies
 from pivotrl_hpc.controller.run_state import capture, restore
 from pivotrl_hpc.protocol.messages import Reply, SaveCheckpoint
@@ -39,9 +40,9 @@ FIT_MARGIN = 0.8                        # of the grace time: the rest for the sh
 
 class Checkpointer:
     def __init__(self, root: Path, every: int, keep: int, fixed: Mapping[str, Any],
-                 logs: Path | None = None) -> None:
+                 logs: Path | None = None, group_shared: bool = False) -> None:
         self.root, self.every, self.keep, self.fixed = Path(root), every, keep, dict(fixed)
-        self.logs = logs
+        self.logs, self.group_shared = logs, group_shared
         if every == 0:
             log.warning("no periodic checkpoints (rl.checkpoint_every=0): only a stop that "
                         "asks for one (time limit, preemption grace, SIGUSR1) writes one; "
@@ -74,15 +75,21 @@ class Checkpointer:
         return left + self._save_s <= FIT_MARGIN * grace_s
 
     def poll(self, now: float) -> None:
-        """Take a request file the batch step wrote (at most once a second)."""
+        """Take a request file the batch step wrote (at most once a second): only a regular
+        file of this user, opened without blocking or following links, naming one of MODES
+        (anything else is removed and ignored with a warning: folders.take_own)."""
         if self.logs is None or now < self._poll_at:
             return
         self._poll_at = now + 1.0
-        f = self.logs / REQUEST
-        if f.exists():
-            mode = f.read_text().strip()
-            f.unlink(missing_ok=True)
-            self.request(mode or "checkpoint")
+        text = take_own(self.logs, REQUEST)
+        if text is None:
+            return
+        mode = text.strip() or "checkpoint"
+        if mode not in MODES:
+            log.warning("ignored %s: %r is not one of %s", self.logs / REQUEST, mode[:40],
+                        ", ".join(MODES))
+            return
+        self.request(mode)
 
     def save(self, ctl) -> None:
         """Start checkpoint `ctl.step` (the trained steps); training stays busy until done."""
@@ -113,8 +120,9 @@ class Checkpointer:
             why = "after a stop signal" if mode == STOP else "for a requeue"
             ctl.stop_reason = f"checkpointed at step {state['step']} {why}"
             if self.logs is not None:   # under Slurm the batch step requeues the job
-                (self.logs / REQUEUE).write_text(json.dumps(
-                    {"step": state["step"], "checkpoint": str(final), "why": mode}) + "\n")
+                write_text(self.logs, REQUEUE, json.dumps(
+                    {"step": state["step"], "checkpoint": str(final), "why": mode}) + "\n",
+                    self.group_shared, own=2)
 
 
 def resume(ctl, folder: str | Path) -> dict[str, Any]:

@@ -44,6 +44,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from pivotrl_hpc import envs
+from pivotrl_hpc.checkpoint.folders import create_at, file_mode, open_folder, write_text
 from pivotrl_hpc.runtime import cgroup
 from pivotrl_hpc.launch.layout import (AGENT, CONTROLLER_RANK, LaunchError, RankInfo,
                                        RankLayout, RunPaths, check_placement, host_name, job_id,
@@ -166,7 +167,8 @@ class Rank:
         if envs.LAUNCHER_PID.is_set():
             threading.Thread(target=watch_launcher, args=(envs.LAUNCHER_PID.get(),),
                              name="launcher-watch", daemon=True).start()
-        self.paths.rank_pid(self.info.rank).write_text(f"{os.getpid()} {host_name()}\n")
+        self._write_log_file(self.paths.rank_pid(self.info.rank),
+                             f"{os.getpid()} {host_name()}\n")
         check_placement(self.layout, self.info.rank, os.environ)
         # the node forkers' names carry a token of the job's (issue 35: unguessable by
         # another account, which could otherwise bind a name first and take the job's env)
@@ -231,7 +233,8 @@ class Rank:
             return
         finally:
             self.stopper.interruptible = False
-        self.paths.summary_json.write_text(json.dumps(summary, indent=1, default=str) + "\n")
+        write_text(self.paths.trace.parent, self.paths.summary_json.name,
+                   json.dumps(summary, indent=1, default=str) + "\n", self.cfg.trace.group_shared)
         log.info("summary written to %s", self.paths.summary_json)
 
     def _shutdown_workers(self) -> None:
@@ -306,11 +309,16 @@ class Rank:
 
     def _write_error(self, e: BaseException) -> None:
         info = self.info
-        self.paths.rank_error(info.rank).write_text(json.dumps({
+        self._write_log_file(self.paths.rank_error(info.rank), json.dumps({
             "rank": info.rank, "host": host_name(), "node": info.node_name, "kind": info.kind,
             "device": info.device, "controller": info.controller,
             "error": f"{type(e).__name__}: {e}", "exit_code": failure_code(e),
             "traceback": traceback.format_exc(limit=8)}, indent=1) + "\n")
+
+    def _write_log_file(self, path: Path, text: str) -> None:
+        """A run file of the logs folder, made fresh under its checked descriptor with the run
+        files' mode (a planted link of its name replaced, never followed)."""
+        write_text(path.parent, path.name, text, self.cfg.trace.group_shared, own=2)
 
     def abort(self, e: BaseException) -> None:
         """A failure outside the controller: record it, clean up here, end the whole job."""
@@ -330,15 +338,19 @@ def failure_code(e: BaseException) -> int:
 
 
 # ---- process set-up ---------------------------------------------------------------------------
-def setup_logging(info: RankInfo, paths: RunPaths) -> None:
-    """Everything of the rank (logging, stray stdout and stderr) goes to rank-N.log; errors
-    also to mpirun's stderr; rank 0's controller lines to mpirun's stdout."""
-    paths.logs.mkdir(parents=True, exist_ok=True)
+def setup_logging(info: RankInfo, paths: RunPaths, group_shared: bool = False) -> None:
+    """Everything of the rank (logging, stray stdout and stderr) goes to rank-N.log (made
+    fresh in the checked logs folder, O_EXCL | O_NOFOLLOW, 0600 or 0640 `group_shared`);
+    errors also to mpirun's stderr; rank 0's controller lines to mpirun's stdout."""
+    dir_fd = open_folder(paths.logs, own=2, create=True, group_shared=group_shared)
+    try:
+        fd = create_at(dir_fd, paths.rank_log(info.rank).name, file_mode(group_shared))
+    finally:
+        os.close(dir_fd)
     fmt = logging.Formatter(f"%(asctime)s {info.tag} {host_name()} %(levelname)s "
                             f"%(name)s: %(message)s")
     console = os.fdopen(os.dup(2), "w", buffering=1)
     stdout = os.fdopen(os.dup(1), "w", buffering=1)
-    fd = os.open(paths.rank_log(info.rank), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, 2)
     os.dup2(fd, 1)   # libraries print to stdout (NIXL does): the user's stdout stays clean
     os.close(fd)
@@ -385,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
         world.Abort(2)
     info = layout.info(world.Get_rank())
     paths = RunPaths.for_config(cfg)
-    setup_logging(info, paths)
+    setup_logging(info, paths, cfg.trace.group_shared)
     rank = Rank(cfg, layout, info, paths, world)
     try:
         code = rank.run()

@@ -273,7 +273,7 @@ class RunPaths:
                         if re.fullmatch(r"start-[0-9]{1,9}", d.name) and d.is_dir()
                         and not d.is_symlink())
         dest = self.logs / f"start-{starts[-1][0] + 1 if starts else 1}"
-        dest.mkdir()
+        dest.mkdir(mode=0o700)
         for p in old:
             p.rename(dest / p.name)
         for _, d in starts[:max(0, len(starts) + 1 - keep)]:

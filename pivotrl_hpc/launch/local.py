@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pivotrl_hpc import envs
-from pivotrl_hpc.checkpoint.folders import RunFolderError, check_run, write_text
+from pivotrl_hpc.checkpoint.folders import RunFolderError, check_run, create_in, write_text
 from pivotrl_hpc.config import to_dict
 from pivotrl_hpc.config.validate import check_cpu_shares
 from pivotrl_hpc.engines import ports
@@ -166,20 +166,25 @@ def launch(run: PreparedRun, *, grace_s: float = 30.0) -> int:
     log.info("run %s: %d ranks, logs in %s", run.job, run.layout.world_size, run.paths.logs)
     forwarder = SignalForwarder(run, stop_grace(grace_s, preempt_grace(run), 20.0))
     forwarder.install()
-    log_path = run.paths.logs / "mpirun.log"
     try:
         # stderr into a file, not a pipe: mpirun must outlive this process (SIGPIPE would
-        # kill it mid-abort and orphan the ranks before they clean up)
-        with open(log_path, "ab") as err:
+        # kill it mid-abort and orphan the ranks before they clean up); made fresh in the
+        # checked logs folder (a planted link of its name replaced, never followed) and
+        # followed through this process's descriptor of it, not by name
+        err = create_in(run.paths.logs, "mpirun.log", group_shared(run.config), own=2)
+        try:
             proc = subprocess.Popen(_with_launcher_pid(run.command), stderr=err,
                                     start_new_session=True,
                                     env={**os.environ, **run.env,
                                          envs.LAUNCHER_PID.name: str(os.getpid())})
+        except BaseException:
+            os.close(err)
+            raise
     except BaseException:
         forwarder.uninstall()
         raise
     forwarder.started(proc)
-    stderr = StderrFollower(proc, log_path)
+    stderr = StderrFollower(proc, Path(f"/proc/self/fd/{err}"))
     try:
         while proc.poll() is None:
             time.sleep(0.1)
@@ -187,6 +192,7 @@ def launch(run: PreparedRun, *, grace_s: float = 30.0) -> int:
     finally:
         forwarder.uninstall()
         stderr.join()
+        os.close(err)
         cleanup(run)
     if forwarder.signum is not None:
         print(f"pivotrl run: stopped by {signal.Signals(forwarder.signum).name}; trace "

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pivotrl_hpc import envs
+from pivotrl_hpc.checkpoint.folders import create_in, take_own
 from pivotrl_hpc.checkpoint.layout import REQUEUE_FILE, latest, root_for
 from pivotrl_hpc.config import Config, load_config
 from pivotrl_hpc.config.paradigm import normalize
@@ -42,7 +43,7 @@ from pivotrl_hpc.launch.diagnose import BAD_INPUT, bad_input, diagnose, job_exit
 from pivotrl_hpc.launch.layout import (LaunchError, RankLayout, RunPaths, expand_hostlist,
                                        job_ports)
 from pivotrl_hpc.launch.local import (PreparedRun, StderrFollower, free_port_base,
-                                      preempt_grace, resolved_config, sweep_segments,
+                                      group_shared, preempt_grace, resolved_config, sweep_segments,
                                       write_files)
 from pivotrl_hpc.launch.resume import (absolute_resume, continue_in, driving, earlier_runs,
                                        request_checkpoint, requeueable, stop_grace)
@@ -262,37 +263,51 @@ def execute(run: PreparedRun, *, grace_s: float = 40.0) -> Outcome:
           f"{','.join(run.layout.node_names)}; run folder {run.paths.trace.parent}", flush=True)
     if run.cpu_warning:
         print(f"pivotrl: warning: {run.cpu_warning}", flush=True)
-    srun_log = run.paths.logs / "srun.log"
+    shared = group_shared(run.config)
     (run.paths.logs / REQUEUE_FILE).unlink(missing_ok=True)   # a stale one: not this start's
+    text = ""
     with _Stop(run.paths.logs, run.job) as stop, driving(run):
         if stop.signum is None:
-            with open(srun_log, "ab") as err:
+            # made fresh in the checked logs folder, followed through its descriptor
+            err = create_in(run.paths.logs, "srun.log", shared, own=2)
+            try:
                 stop.proc = subprocess.Popen(run.command, stderr=err,
                                              env={**os.environ, **run.env})
-            follower = StderrFollower(stop.proc, srun_log)
-            _wait(stop, stop_grace(grace_s, preempt_grace(run), 30.0))
-            follower.join()
+                follower = StderrFollower(stop.proc, Path(f"/proc/self/fd/{err}"))
+                _wait(stop, stop_grace(grace_s, preempt_grace(run), 30.0))
+                follower.join()
+                text = follower.text()
+            finally:
+                os.close(err)
     rc = stop.proc.returncode if stop.proc is not None else None
     cleanup(run, failed=stop.signum is None and rc != 0)
     if stop.signum is not None:
         return Outcome(128 + stop.signum, f"stopped by {signal.Signals(stop.signum).name}; "
                        f"trace {run.paths.trace}", run.paths, _summary(run.paths))
-    if rc == 0 and (run.paths.logs / REQUEUE_FILE).exists():
-        return requeue(run)
+    # the controller's marker: used only if it is a regular file of this user (a planted
+    # one, or a FIFO, is removed and ignored with a warning: folders.take_own)
+    marker = take_own(run.paths.logs, REQUEUE_FILE, group_shared=shared) if rc == 0 else None
+    if marker is not None:
+        return requeue(run, marker)
     if rc == 0:
         summary = _summary(run.paths)
         return Outcome(0, f"done; summary {run.paths.summary_json}" if summary is not None
                        else "done (the controller returned no summary)", run.paths, summary)
-    text = srun_log.read_text(errors="replace") if srun_log.exists() else ""
     return Outcome(job_exit_code(run.paths), diagnose(run.layout, run.paths, text, rc, "srun"),
                    run.paths)
 
 
-def requeue(run: PreparedRun) -> Outcome:
-    """The controller checkpointed and stopped for a requeue: put the job back in the queue;
-    it resumes in the same run folder (same job id) from that checkpoint."""
-    info = json.loads((run.paths.logs / REQUEUE_FILE).read_text())
-    (run.paths.logs / REQUEUE_FILE).unlink()
+def requeue(run: PreparedRun, marker: str) -> Outcome:
+    """The controller checkpointed and stopped for a requeue (`marker`: its requeue file's
+    text): put the job back in the queue; it resumes in the same run folder (same job id)
+    from that checkpoint."""
+    try:
+        info = json.loads(marker)
+        info = {"step": int(info["step"]), "checkpoint": str(info["checkpoint"]),
+                "why": str(info.get("why", ""))}
+    except (ValueError, TypeError, KeyError):
+        return Outcome(1, f"{run.paths.logs / REQUEUE_FILE} holds no requeue marker "
+                       f"({marker[:60]!r}): not requeued", run.paths, _summary(run.paths))
     why = "after a stop signal" if info.get("why") == "stop" else "before the time limit"
     done = f"checkpointed at step {info['step']} {why} ({info['checkpoint']})"
     if info.get("why") == "stop" and not requeueable(run.job):

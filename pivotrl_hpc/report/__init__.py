@@ -89,7 +89,7 @@ def write_report(trace_path: str | Path, out_dir: str | Path) -> list[Path]:
     from pivotrl_hpc.trace import open_trace
 
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out.mkdir(mode=0o700, parents=True, exist_ok=True)
     with open_trace(str(trace_path)) as t:
         num, spans = _analyse(t)
         ts, shifts, steps = t.table("timeseries"), t.table("shifts"), t.table("steps")

@@ -98,11 +98,11 @@ def run_one(run: Run, cache: str | None = None) -> Outcome:
             figures["low_fraction"] = low_fractions(trace)
             figures["allocation"] = allocation(trace)
             if run.keep_trace:
-                Path(run.keep_trace).mkdir(parents=True, exist_ok=True)
+                Path(run.keep_trace).mkdir(mode=0o700, parents=True, exist_ok=True)
                 shutil.copy(trace, Path(run.keep_trace) / f"{run.tag}-{run.paradigm}-"
                                                           f"{run.seed}.h5")
     if entry is not None:
-        entry.parent.mkdir(parents=True, exist_ok=True)
+        entry.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         entry.write_text(json.dumps(figures))
     return Outcome(run, figures)
 

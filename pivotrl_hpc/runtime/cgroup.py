@@ -115,7 +115,7 @@ def _write(path: Path, value: str) -> None:
 
 def _mkdir(path: Path) -> None:
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        path.mkdir(mode=0o755, parents=True, exist_ok=True)
     except OSError as e:
         raise CgroupError(f"cannot create the cgroup {path}: {e.strerror}; {OPT_OUT_HINT}") from e
 

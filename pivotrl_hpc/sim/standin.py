@@ -59,7 +59,7 @@ def _model_folder(name: str, path: str, workdir: Path) -> tuple[str, str | None]
     card, config = found
     folder = workdir / f"{name}-{card}"
     if not (folder / "config.json").is_file():   # once per scratch folder, not once per run
-        folder.mkdir(parents=True, exist_ok=True)
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
         _tokenizer(folder)
         (folder / "config.json").write_text(json.dumps(config))
     return str(folder), f"models.{name}.path {path} absent: the {card} model card"

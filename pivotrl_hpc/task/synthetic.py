@@ -61,7 +61,7 @@ def write_dataset(out: Path, seed: int = 0, train: int = 512, validation: int = 
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    out.mkdir(parents=True, exist_ok=True)
+    out.mkdir(mode=0o700, parents=True, exist_ok=True)
     paths = {}
     for split, n, s, start in (("train", train, seed, 0),
                                ("validation", validation, seed + 10_007, train)):

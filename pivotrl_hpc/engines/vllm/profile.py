@@ -104,7 +104,7 @@ def write_profile_yaml(path: Path, role: str, fit: FitResult,
              "# samples: n_seq n_tok latency_s"]
     lines += [f"#   {s.n_seq} {s.n_tok} {s.latency:.6g}" for s in samples]
     body = yaml.safe_dump({"throughput": {role: fit.model.to_dict()}}, sort_keys=False)
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     Path(path).write_text("\n".join(lines) + "\n" + body)
 
 
