@@ -31,7 +31,7 @@ def export(where: str | Path, out: str | Path, force: bool = False) -> dict[str,
         readable(f)
     info.update(step=int(state["step"]), version=int(state["version"]), checkpoint=str(ckpt))
     (tmp / "pivotrl_export.json").write_text(json.dumps(info, indent=1) + "\n")
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     if out.exists():
         out.rmdir()
     tmp.rename(out)

@@ -161,7 +161,7 @@ def open_dir(path: Path = SHM_DIR) -> int:
 def ensure(path: Path = SHM_DIR) -> Path:
     """Create this user's folder if it is missing (0700), then `check` it."""
     try:
-        os.mkdir(path, 0o700)
+        os.mkdir(path, mode=0o700)
     except FileExistsError:
         pass
     return check(path)
