@@ -89,11 +89,13 @@ def test_the_fit_gets_each_windows_mean_at_its_middle_token_count():
     assert len(m.samples) == 1
 
 
-def test_prefill_is_charged_per_token_at_admission_and_again_after_a_migration():
+def test_prefill_is_charged_per_token_when_a_sequence_first_runs_and_again_after_a_migration():
     """Qwen3-30B-A3B at TP=4 (the 7B group's GenRM) on the H20 profile: prefill costs
     2 x 3.35e9 active params / 4 GPUs / (0.5 x 148 TFLOP/s) = 22.6 us a token. A judge
-    prompt of 4,000 tokens takes 90.6 ms to admit; aborted after 1,000 judgement tokens
-    and resumed on another replica, it is prefilled again: 5,000 tokens, 113 ms."""
+    prompt of 4,000 tokens costs 90.6 ms in the first Step that runs it (adding it costs
+    nothing: vLLM prefills a waiting request when it schedules it); aborted after 1,000
+    judgement tokens and resumed on another replica, it is prefilled again there: 5,000
+    tokens, 113 ms."""
     from pivotrl_hpc.assets.cards import CARDS
     from pivotrl_hpc.gps.shapes import ModelShape
     from pivotrl_hpc.protocol.messages import Abort
@@ -113,19 +115,56 @@ def test_prefill_is_charged_per_token_at_admission_and_again_after_a_migration()
         w.poll()   # shift seconds 0: up at once
         return w
 
+    def step_seconds(w, clock) -> float:
+        t0 = clock.now()
+        w.submit(Step(1))
+        clock.wait_until(w.next_reply_time())
+        w.poll()
+        return clock.now() - t0
+
     clock = VirtualClock()
     first, second = judge(clock, 0), judge(clock, 1)
     first.submit(AddSequences((SeqRequest("j", tuple(range(4000)), (), (), 2000),)))
-    assert first.next_reply_time() == pytest.approx(4000 * p) == pytest.approx(0.0906, rel=0.01)
-    clock.wait_until(first.next_reply_time())
+    assert first.next_reply_time() == clock.now()   # added, not prefilled yet
     first.poll()
+    one = model.latency(1, 4000)
+    assert step_seconds(first, clock) == pytest.approx(4000 * p + one)
+    assert 4000 * p == pytest.approx(0.0906, rel=0.01)
+    assert step_seconds(first, clock) == pytest.approx(model.latency(1, 4001))   # once
     first.seqs["j"].generated = list(range(1000))   # 1,000 judgement tokens so far
+    first.seqs["j"].length = 5000
     first.submit(Abort(("j",)))
     clock.wait_until(first.next_reply_time())
     (aborted,) = first.poll()[0].result
     second.submit(AddSequences((SeqRequest.resume(aborted),)))
-    assert second.next_reply_time() - clock.now() == pytest.approx(5000 * p)
+    second.poll()
+    assert step_seconds(second, clock) == pytest.approx(5000 * p + model.latency(1, 5000))
     assert 5000 * p == pytest.approx(0.113, rel=0.01)
+
+
+def test_sequences_migrated_away_before_they_run_cost_their_replica_no_prefill():
+    """A whole batch handed to the first replica up and migrated off it at once (colocated's
+    stage start: Dispatch gives the queue to the first replica, Algorithm 4 moves it as the
+    others come up) costs that replica only the prefill of those it keeps. Charged at
+    admission (before), the 1.5B group's GLM-Z1-9B replica paid 512 judge prompts of 1,600
+    tokens (0.209 ms a token: 171 s) before the Abort of the 496 it had lost was served,
+    and the 16 it kept waited for it."""
+    p, glm = 0.209e-3, ThroughputModel(A=1e-8, B=5.5e-3, C=2.1e-4, D=2.5e-3)
+    clock = VirtualClock()
+    w = ModeledWorker(0, clock, ModeledStore(), {"policy": MODEL, "genrm": glm},
+                      {"reward": 0.0}, {"reward": 0.0}, prefill_s_per_token={"genrm": p})
+    w.submit(ShiftUp(RoleKind.REWARD))
+    w.poll()
+    from pivotrl_hpc.protocol.messages import Abort
+    seqs = tuple(SeqRequest(f"s{i}", tuple(range(1600)), (), (), 10) for i in range(512))
+    w.submit(AddSequences(seqs))
+    w.submit(Abort(tuple(f"s{i}" for i in range(16, 512))))
+    w.submit(Step(1))
+    clock.wait_until(w._due[-1][0])
+    replies = w.poll()
+    assert [r.command for r in replies] == ["AddSequences", "Abort", "Step"]
+    assert clock.now() == pytest.approx(16 * 1600 * p + glm.latency(16, 16 * 1600))
+    assert clock.now() < 6.0 < 512 * 1600 * p   # 5.4 s, not 171 s
 
 
 def test_only_max_num_seqs_sequences_decode_at_once_the_rest_wait_their_turn():

@@ -55,10 +55,11 @@ class Outcome:
     figures: dict = field(default_factory=dict)
 
 
-CACHE_VERSION = 5   # bump when what a run's figures mean changes (2: KV preemption, 55ef0ff;
+CACHE_VERSION = 6   # bump when what a run's figures mean changes (2: KV preemption, 55ef0ff;
 #                     3: issue 49, KV from the device, MoE experts touched, training comm;
 #                     4: issue 49, rr_colocated per batch, GPS Write, Reload and planning;
-#                     5: issue 50, processed tokens over the steady window, step_marks)
+#                     5: issue 50, processed tokens over the steady window, step_marks;
+#                     6: a sequence prefilled when it first runs, not when it is added)
 
 
 def run_one(run: Run, cache: str | None = None) -> Outcome:

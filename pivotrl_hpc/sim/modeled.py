@@ -70,6 +70,7 @@ class _Seq:
     start: int = 0
     length: int = 0   # prompt + generated tokens: what the iteration latency reads
 
+    prefilled: bool = False   # its prompt (+ generated tokens) prefilled here yet
     def __post_init__(self) -> None:
         self.length = len(self.prompt) + len(self.generated)
 
@@ -90,8 +91,10 @@ class ModeledWorker:
     train_s_per_token: float = 0.0     # + this per prompt and response token of the batch
     step_overhead_s: dict[str, float] = field(default_factory=dict)   # a Step's, per role
     first_step_s: dict[str, float] = field(default_factory=dict)  # a role's first Step here
-    # seconds to prefill one token, per model ("policy", "genrm"): every AddSequences pays
-    # for each sequence's prompt and generated tokens (a resumed one is prefilled again)
+    # seconds to prefill one token, per model ("policy", "genrm"): a sequence pays for its
+    # prompt and generated tokens (a resumed one is prefilled again) in the iteration that
+    # first runs it, as vLLM schedules a waiting request's prefill only when it gets a slot:
+    # one aborted (migrated away) before then costs nothing
     prefill_s_per_token: dict[str, float] = field(default_factory=dict)
     # the GPS Write of a published step (sim/costs.py): its local part ends the TrainStep,
     # WaitWrite waits for its replication to every node; a Reload Reads the new version
@@ -178,7 +181,6 @@ class ModeledWorker:
             for s in cmd.seqs:
                 if s.max_new_tokens < 1:  # as VLLMEngine.add
                     raise ValueError(f"sequence {s.seq_id!r}: no tokens left to generate")
-            tokens = 0
             for s in cmd.seqs:
                 done = len(s.generated_ids)
                 self.seqs[s.seq_id] = _Seq(list(s.prompt_ids), list(s.generated_ids),
@@ -186,9 +188,7 @@ class ModeledWorker:
                                            s.sampling, tokens_at(
                                                s.seq_id, done, s.max_new_tokens, self.vocab)
                                            if self.leads else [], done)
-                tokens += len(s.prompt_ids) + len(s.generated_ids)
-            return len(cmd.seqs), self.slowdown * tokens * self.prefill_s_per_token.get(
-                self._model(), 0.0)
+            return len(cmd.seqs), 0.0
         if isinstance(cmd, Step):
             self.steps += 1
             outs, left = [], cmd.iterations
@@ -251,8 +251,14 @@ class ModeledWorker:
         n_seq = len(running)
         n_tok = sum(s.length for _, s in running)
         # iteration i sees n_tok + i * (sequences still generating) tokens
-        seconds = self.slowdown * sum(model.latency(n_seq, n_tok + i * len(live))
-                                      for i in range(k)) if self.seqs else 0.0
+        # those running for the first time here are prefilled in this block
+        fresh = [s for _, s in running if not s.prefilled]
+        prefill = self.slowdown * sum(s.length for s in fresh) * self.prefill_s_per_token.get(
+            self._model(), 0.0)
+        for s in fresh:
+            s.prefilled = True
+        seconds = prefill + (self.slowdown * sum(model.latency(n_seq, n_tok + i * len(live))
+                                                 for i in range(k)) if self.seqs else 0.0)
         if not self.leads:
             return self._count(live, k, first, seconds)
         progress, finished = [], []
