@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 
 import pytest
 from controller_util import make_controller, split_bootstrap
 
-from pivotrl_hpc.checkpoint import layout
+from pivotrl_hpc.checkpoint import layout, writer
 from pivotrl_hpc.checkpoint.layout import CheckpointError
 from pivotrl_hpc.checkpoint.state import check_fixed
 from pivotrl_hpc.controller.run_state import capture, restore
@@ -21,10 +22,10 @@ FIXED = {"rl.batch_size": 4, "rl.steps": 6}
 
 
 def _fake(root, step, whole=True, fixed=None):
-    tmp = layout.staging(root, step)
+    tmp = writer.staging(root, step)
     (tmp / layout.POLICY).mkdir()
-    layout.write_state(tmp, {"step": step, "version": step, "fixed": fixed or {}})
-    return layout.commit(tmp, keep=100) if whole else tmp
+    writer.write_state(tmp, {"step": step, "version": step, "fixed": fixed or {}})
+    return writer.commit(tmp, keep=100) if whole else tmp
 
 
 def test_commit_is_whole_or_absent_and_keeps_the_newest(tmp_path):
@@ -35,11 +36,11 @@ def test_commit_is_whole_or_absent_and_keeps_the_newest(tmp_path):
     assert [p.name for p in layout.whole(root)] == ["step-000002", "step-000004",
                                                     "step-000006"]
     assert layout.latest(root).name == "step-000006" and half.exists()
-    tmp = layout.staging(root, 10)
+    tmp = writer.staging(root, 10)
     (tmp / layout.POLICY).mkdir()
-    layout.write_state(tmp, {"step": 10, "version": 10})
+    writer.write_state(tmp, {"step": 10, "version": 10})
     assert not layout.is_whole(tmp)             # no COMPLETE yet: not found
-    layout.commit(tmp, keep=2)
+    writer.commit(tmp, keep=2)
     assert [p.name for p in layout.whole(root)] == ["step-000006", "step-000010"]
     assert not half.exists() and not tmp.exists()   # stale .tmp folders go on commit
     assert (root / "step-000010" / layout.MARK).is_file()
@@ -256,14 +257,14 @@ def _policy_checkpoint(root, models, tensors=None):
 
     from safetensors.torch import load_file, save_file
 
-    tmp = layout.staging(root, 2)
+    tmp = writer.staging(root, 2)
     shutil.copytree(models / "policy", tmp / layout.POLICY)
     if tensors is not None:
         weights = load_file(str(tmp / layout.POLICY / "model.safetensors"))
         tensors(weights)
         save_file(weights, str(tmp / layout.POLICY / "model.safetensors"))
-    layout.write_state(tmp, {"step": 2, "version": 2})
-    return layout.commit(tmp, keep=2)
+    writer.write_state(tmp, {"step": 2, "version": 2})
+    return writer.commit(tmp, keep=2)
 
 
 def test_export_copies_a_checked_policy_and_refuses_broken_ones(tiny_models, tmp_path):
@@ -293,3 +294,118 @@ def test_export_copies_a_checked_policy_and_refuses_broken_ones(tiny_models, tmp
                         str(tmp_path / "none.h5"), "--out", str(tmp_path / "x")],
                        capture_output=True, text=True)
     assert p.returncode == 2 and p.stderr.startswith("pivotrl export: no whole checkpoint")
+
+
+def _weights_store(models):
+    """GPS's Read as `save_policy` calls it, answered from the tiny policy's own file."""
+    from types import SimpleNamespace
+
+    from safetensors.torch import load_file
+
+    weights = load_file(str(models / "policy" / "model.safetensors"))
+    return SimpleNamespace(read=lambda model, place, version: weights)
+
+
+def _modes(folder):
+    return {str(p.relative_to(folder)): stat.S_IMODE(p.stat().st_mode) & 0o777
+            for p in [folder, *folder.rglob("*")]}
+
+
+@pytest.mark.parametrize("group_shared", [False, True])
+def test_checkpoint_files_are_the_users_alone_whatever_the_umask(tiny_models, tmp_path,
+                                                                 group_shared):
+    """Under umask 002 (a shared project folder's) the checkpoint comes out 0700 / 0600
+    (0750 / 0640 with trace.group_shared), never group-writable; an export is 0755 / 0644."""
+    from pivotrl_hpc.checkpoint.export import export
+    from pivotrl_hpc.runtime.checkpoint import save_policy
+
+    old = os.umask(0o002)
+    try:
+        root = tmp_path / "run" / "x.checkpoints"
+        tmp = writer.staging(root, 2, group_shared)
+        nbytes, files = save_policy(_weights_store(tiny_models), 2, tmp, tiny_models / "policy",
+                                    group_shared)
+        writer.write_state(tmp, {"step": 2, "version": 2}, group_shared)
+        ckpt = writer.commit(tmp, 2, files, group_shared)
+        out = tmp_path / "export"
+        export(ckpt, out)
+    finally:
+        os.umask(old)
+    folder, file = (0o750, 0o640) if group_shared else (0o700, 0o600)
+    modes = _modes(ckpt)
+    assert nbytes > 0 and "policy/model.safetensors" in files and len(modes) == 11, modes
+    assert {m for p, m in modes.items() if (ckpt / p).is_dir()} == {folder}
+    assert {m for p, m in modes.items() if (ckpt / p).is_file()} == {file}
+    assert stat.S_IMODE(root.stat().st_mode) & 0o777 == folder
+    assert set(_modes(out).values()) == {0o755, 0o644}
+
+
+def _zero(path, tensor):
+    """Zero one tensor's bytes in place, as a group member with write access did."""
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    a, b = json.loads(raw[8:8 + n])[tensor]["data_offsets"]
+    path.write_bytes(raw[:8 + n + a] + bytes(b - a) + raw[8 + n + b:])
+
+
+def test_the_manifest_names_what_changed_and_refuses_what_others_could_write(tiny_models,
+                                                                             tmp_path, caplog):
+    from pivotrl_hpc.checkpoint.manifest import ManifestError, verify
+
+    def fresh(name):
+        return _policy_checkpoint(tmp_path / f"{name}.checkpoints", tiny_models)
+
+    ckpt = fresh("ok")
+    assert verify(ckpt) == sum(p.stat().st_size for p in ckpt.rglob("*")
+                               if p.is_file() and p.name != layout.MARK)
+    manifest = json.loads((ckpt / layout.MARK).read_text())
+    assert len(manifest["files"]["policy/model.safetensors"]["tensors"]) == 27
+    ckpt = fresh("tensor")
+    _zero(ckpt / "policy" / "model.safetensors", "model.norm.weight")
+    with pytest.raises(ManifestError, match=r"policy/model.safetensors changed since the "
+                                            r"checkpoint was written: tensor model.norm.weight "
+                                            r"differs; resume from another"):
+        verify(ckpt)
+    edits = {
+        "state": (lambda c: (c / layout.STATE).write_text((c / layout.STATE).read_text()
+                                                           .replace('"step": 2', '"step": 3')),
+                  r"state.json changed since .*: its bytes differ"),
+        "added": (lambda c: (c / "optim" / "rank-001.safetensors").write_bytes(b"x"),
+                  r"optim/rank-001.safetensors is not in the manifest"),
+        "gone": (lambda c: (c / "policy" / "config.json").unlink(),
+                 r"policy/config.json is missing"),
+        "header": (lambda c: (c / "policy" / "model.safetensors").write_bytes(b"\0" * 99),
+                   r"model.safetensors changed .*: 99 bytes, the manifest says"),
+        "link": (lambda c: [(c / layout.STATE).unlink(),
+                            (c / layout.STATE).symlink_to(tmp_path / "elsewhere")],
+                 r"state.json: a symlink"),
+        "fifo": (lambda c: [(c / layout.STATE).unlink(), os.mkfifo(c / layout.STATE)],
+                 r"state.json: not a regular file"),
+        "mode": (lambda c: os.chmod(c / "policy", 0o770),
+                 r"policy: a folder with mode 770, writable by its group: .* chmod -R go-w"),
+    }
+    for name, (edit, message) in edits.items():
+        ckpt = fresh(name)
+        edit(ckpt)
+        with pytest.raises(ManifestError, match=message):
+            verify(ckpt)
+    # a checkpoint of an older pivotrl (an empty COMPLETE): taken with a warning when no
+    # other account can write any of it, refused (naming the file and the fix) when one can
+    old = fresh("old")
+    (old / layout.MARK).write_text("")
+    assert verify(old) == 0 and "has no manifest" in caplog.text
+    os.chmod(old / "policy" / "model.safetensors", 0o664)
+    with pytest.raises(ManifestError, match=r"model.safetensors: a file with mode 664, "
+                                            r"writable by its group"):
+        verify(old)
+
+
+def test_a_rank_writes_a_checkpoint_only_into_a_staging_folder_of_its_run(tmp_path):
+    root = tmp_path / "x.checkpoints"
+    assert layout.staging_in(root, writer.staging(root, 4)) == root / ".step-000004.tmp"
+    for folder in ("/root/.ssh", root / "step-000004", root / ".." / ".step-000004.tmp",
+                   root / ".step-000004.tmp" / ".." / ".." / "y", tmp_path / ".step-1.tmp"):
+        with pytest.raises(CheckpointError, match="refused: not a staging folder"):
+            layout.staging_in(root, folder)
+    with pytest.raises(CheckpointError, match=r"\(none given at start\)"):
+        layout.staging_in("", root / ".step-000004.tmp")

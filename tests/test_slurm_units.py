@@ -1,27 +1,26 @@
 """The Slurm ways in without a cluster: what `pivotrl submit` / `pivotrl resume` decide before
 anything is queued (the partition's limits and the time limit, a relative `resume=`, the run
 folder a resumed job continues in, the note about an earlier run's checkpoints), submitit's
-one task per job, how a failed job's error and a rank that died before its log are reported,
-and the exported policy's file modes. (Jobs on the local cluster: tests/test_slurm_*.py.)"""
+one task per job, how a failed job's error and a rank that died before its log are reported.
+(File modes of checkpoints and exports: tests/test_checkpoint.py; jobs on the local cluster:
+tests/test_slurm_*.py.)"""
 from __future__ import annotations
 
 import json
-import os
-import stat
 from pathlib import Path
 
 import pytest
 
-from pivotrl_hpc.checkpoint import layout
+from pivotrl_hpc.checkpoint import layout, writer
 from pivotrl_hpc.checkpoint.layout import CheckpointError
 from pivotrl_hpc.launch.layout import LaunchError, RankLayout, RunPaths
 
 
 def _checkpoint(root: Path, step: int) -> Path:
-    tmp = layout.staging(root, step)
+    tmp = writer.staging(root, step)
     (tmp / layout.POLICY).mkdir()
-    layout.write_state(tmp, {"step": step, "version": step, "fixed": {}})
-    return layout.commit(tmp, keep=10)
+    writer.write_state(tmp, {"step": step, "version": step, "fixed": {}})
+    return writer.commit(tmp, keep=10)
 
 
 def test_partition_limits_refuse_what_would_pend_forever():
@@ -113,7 +112,7 @@ def test_a_start_removes_the_partial_checkpoints_an_earlier_start_left(tmp_path)
     trace = tmp_path / "x.h5"
     root = layout.root_for(trace)
     whole = _checkpoint(root, 2)
-    half = layout.staging(root, 4)                 # scancel while writing step 4
+    half = writer.staging(root, 4)                 # scancel while writing step 4
     cfg = load_config(None, [f"trace.path={trace}", "resume=false"], check_files=False)
     assert prepare(cfg) is None
     assert not half.exists() and whole.exists()
@@ -147,28 +146,6 @@ def test_job_error_is_the_raised_line_not_the_log_paths():
             "'job.stdout(0)'or at paths:\n  - /r/submitit/17_0_log.err\n")
     assert job_error(text) == ("job 17: rank 7 (worker of device 5, node n2), host n2, role "
                                "reward failed: RuntimeError: boom; log /r/rank-7.log")
-
-
-def test_saved_and_exported_weights_are_readable_by_all(tiny_models, tmp_path):
-    from safetensors.torch import load_file, save_file
-
-    from pivotrl_hpc.checkpoint.export import export
-
-    root = tmp_path / "run" / "x.checkpoints"
-    ckpt = _checkpoint(root, 2)
-    for f in (tiny_models / "policy").iterdir():
-        if f.is_file() and not f.name.endswith(".safetensors"):
-            (ckpt / layout.POLICY / f.name).write_bytes(f.read_bytes())
-    weights = ckpt / layout.POLICY / "model.safetensors"
-    save_file(load_file(str(tiny_models / "policy" / "model.safetensors")), str(weights))
-    assert stat.S_IMODE(weights.stat().st_mode) == 0o600      # what safetensors writes
-    out = export(root, tmp_path / "out")["out"]
-    umask = os.umask(0o022)
-    os.umask(umask)
-    assert {f.name: stat.S_IMODE(f.stat().st_mode) for f in Path(out).iterdir()} == {
-        f.name: 0o666 & ~umask for f in Path(out).iterdir()}
-    layout.readable(weights)
-    assert stat.S_IMODE(weights.stat().st_mode) == 0o666 & ~umask
 
 
 def test_a_runs_resolved_config_loads_as_the_config_of_its_resume(tmp_path):

@@ -1,8 +1,11 @@
 """`pivotrl export`: a checkpoint's policy as a HuggingFace model folder.
 
 The checkpoint's `policy/` already is one (config, tokenizer, model.safetensors written from
-GPS), so exporting copies it and checks the weights against the config before anyone loads
-them: every tensor the architecture needs, shapes as the config says, finite values.
+GPS), so exporting copies it and checks it before anyone loads it: the checkpoint against its
+manifest (checkpoint.manifest: no file changed since it was written), the weights against the
+config (every tensor the architecture needs, shapes as the config says, finite values). The
+export is a model to be read: its files 0644 in a 0755 folder, whatever the umask (writable
+by the user alone).
 """
 from __future__ import annotations
 
@@ -12,11 +15,13 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from pivotrl_hpc.checkpoint.layout import POLICY, CheckpointError, find, read_state, readable
+from pivotrl_hpc.checkpoint.layout import POLICY, CheckpointError, find, read_state
+from pivotrl_hpc.checkpoint.manifest import verify
 
 
 def export(where: str | Path, out: str | Path, force: bool = False) -> dict[str, Any]:
     ckpt = find(where)
+    verify(ckpt)
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         if not force:
@@ -27,10 +32,11 @@ def export(where: str | Path, out: str | Path, force: bool = False) -> dict[str,
     tmp = out.with_name(f".{out.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(ckpt / POLICY, tmp)
-    for f in tmp.iterdir():   # a checkpoint written before its weights were made 0644
-        readable(f)
     info.update(step=int(state["step"]), version=int(state["version"]), checkpoint=str(ckpt))
     (tmp / "pivotrl_export.json").write_text(json.dumps(info, indent=1) + "\n")
+    for f in tmp.iterdir():   # the checkpoint's are the user's alone
+        f.chmod(0o644)
+    tmp.chmod(0o755)
     out.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     if out.exists():
         out.rmdir()

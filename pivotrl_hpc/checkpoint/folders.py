@@ -29,6 +29,7 @@ import pwd
 import secrets
 import stat
 from pathlib import Path
+from typing import Callable
 
 from pivotrl_hpc.checkpoint.layout import CheckpointError, root_for
 
@@ -235,10 +236,23 @@ def create_in(folder: str | os.PathLike, name: str, group_shared: bool = False,
         os.close(dir_fd)
 
 
-def write_at(dir_fd: int, name: str, text: str, mode: int = 0o600) -> None:
+def new_folder_at(dir_fd: int, name: str, group_shared: bool = False) -> int | None:
+    """A fresh folder `name` of the folder (never one that was there: None then), set to
+    `folder_mode` whatever the umask, opened without following links: its descriptor (the
+    caller closes it)."""
+    try:
+        os.mkdir(name, folder_mode(group_shared), dir_fd=dir_fd)
+    except FileExistsError:
+        return None
+    fd = os.open(name, _DIR, dir_fd=dir_fd)
+    os.fchmod(fd, folder_mode(group_shared))
+    return fd
+
+
+def write_at(dir_fd: int, name: str, text: str | bytes, mode: int = 0o600) -> None:
     fd, tmp = temp_at(dir_fd, name, mode)
     try:
-        with os.fdopen(fd, "w") as out:
+        with os.fdopen(fd, "wb" if isinstance(text, bytes) else "w") as out:
             out.write(text)
             out.flush()
             os.fsync(out.fileno())
@@ -295,3 +309,25 @@ def take_own(folder: str | os.PathLike, name: str, *, own: int = 2,
     finally:
         os.close(dir_fd)
 
+
+def write_by_path(dir_fd: int, name: str, mode: int, write: Callable[[str], None]) -> None:
+    """For a library that writes only to a path (safetensors): `write(path)` with the path
+    through the folder's descriptor (/proc/self/fd/N/name: no link above it followed), in a
+    folder of this user no other account can write (checked: nothing can be planted in it);
+    the file is then checked to be a regular file of this user, set to `mode` whatever the
+    umask, and fsynced."""
+    st = os.fstat(dir_fd)
+    if st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise _refuse(f"/proc/self/fd/{dir_fd}", st, "a folder to write into must be "
+                      "the user's own and writable by no one else")
+    write(f"/proc/self/fd/{dir_fd}/{name}")
+    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                 dir_fd=dir_fd)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+            raise _refuse(name, st, "not the regular file just written")
+        os.fchmod(fd, mode)
+        os.fsync(fd)
+    finally:
+        os.close(fd)

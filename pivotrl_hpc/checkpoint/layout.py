@@ -9,11 +9,15 @@
                                   main params, Adam moments), RNG states, steps done
             state.json            the controller: data cursor, RNG, policy version, samples
                                   in flight, fitted throughput constants, tau_shift
-            COMPLETE              written last, after every file above is fsynced
+            COMPLETE              written last, after every file above is fsynced: their
+                                  manifest (sizes, SHA-256 per file and per tensor), checked
+                                  before a resume (checkpoint.manifest)
         .step-000006.tmp/         being written (or left by a killed job: removed on commit)
 
 A checkpoint is written under its `.tmp` name and renamed once COMPLETE is in it, so a
-reader sees a whole one or none; only the newest `keep` whole ones stay.
+reader sees a whole one or none; only the newest `keep` whole ones stay. Its folders are
+0700 and its files 0600 (0750 / 0640 with trace.group_shared) whatever the umask
+(checkpoint.writer, runtime.checkpoint).
 """
 from __future__ import annotations
 
@@ -97,25 +101,23 @@ def latest(root: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def staging(root: Path, step: int) -> Path:
-    """A fresh folder to write checkpoint `step` into (an older attempt's leftovers go)."""
-    tmp = root / f".{name(step)}.tmp"
-    if tmp.is_symlink():
-        tmp.unlink()
-    elif tmp.exists():
-        shutil.rmtree(tmp)
-    root.mkdir(mode=0o755, parents=True, exist_ok=True)   # never group-writable (issue 46)
-    tmp.mkdir(mode=0o755)
-    (tmp / OPTIM).mkdir(mode=0o755)
-    return tmp
+_STAGING = re.compile(r"\.step-[0-9]{6,12}\.tmp")   # what `staging` makes
+
+
+def staging_in(root: str | os.PathLike, folder: str | os.PathLike) -> Path:
+    """`folder` when it is a staging folder (`staging`) right inside the checkpoints folder
+    `root`: all a training rank writes into, whatever a SaveCheckpoint names."""
+    path = Path(os.path.abspath(folder))
+    if not root or path.parent != Path(os.path.abspath(root)) or \
+            not _STAGING.fullmatch(path.name):
+        raise CheckpointError(f"a checkpoint into {str(folder)[:200]!r} refused: not a "
+                              f"staging folder (.step-N.tmp) of this run's checkpoints folder "
+                              f"{str(root) or '(none given at start)'}")
+    return path
 
 
 def optim_file(folder: Path, train_rank: int) -> Path:
     return Path(folder) / OPTIM / f"rank-{train_rank:03d}.safetensors"
-
-
-def write_state(folder: Path, state: dict[str, Any]) -> None:
-    _write_synced(folder / STATE, json.dumps({"format": FORMAT, **state}, indent=1) + "\n")
 
 
 def read_state(folder: Path) -> dict[str, Any]:
@@ -132,26 +134,6 @@ def read_state(folder: Path) -> dict[str, Any]:
     if not isinstance(state.get("fixed", {}), dict):
         raise CheckpointError(f"{path}: 'fixed' is not a mapping")
     return state
-
-
-def commit(tmp: Path, keep: int) -> Path:
-    """Make the checkpoint in `tmp` whole: fsync its files, mark it, rename it into place;
-    then drop all but the newest `keep` whole ones and stale `.tmp` folders."""
-    for f in tmp.rglob("*"):
-        if f.is_file():
-            _fsync(f)
-    _write_synced(tmp / MARK, "")
-    final = tmp.parent / tmp.name[1:].removesuffix(".tmp")
-    if final.exists():          # a requeued job that redid this step: the new one wins
-        shutil.rmtree(final)
-    os.rename(tmp, final)
-    _fsync(tmp.parent)
-    for old in whole(tmp.parent)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
-    for stale in tmp.parent.glob(".step-*.tmp"):
-        if stale != tmp:
-            shutil.rmtree(stale, ignore_errors=True)
-    return final
 
 
 def resolve(resume: bool | str, trace: str | os.PathLike) -> Path | None:
@@ -238,31 +220,3 @@ def segments(trace: str | os.PathLike) -> list[Path]:
         out.append(p)
         n += 1
     return out
-
-
-def readable(path: Path) -> None:
-    """Mode 0666 less the umask, as open() makes a file (safetensors writes 0600). The
-    umask from /proc: os.umask would set it, for a moment, under every thread."""
-    umask = 0o022
-    try:
-        with open("/proc/self/status") as f:
-            umask = next((int(line.split()[1], 8) for line in f if line.startswith("Umask:")),
-                         umask)
-    except OSError:
-        pass
-    os.chmod(path, 0o666 & ~umask)
-
-
-def _write_synced(path: Path, text: str) -> None:
-    with open(path, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

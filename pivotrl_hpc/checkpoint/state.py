@@ -55,6 +55,7 @@ def prepare(cfg) -> dict[str, Any] | None:
     checkpoints an earlier start of the run left (killed while writing one) go first."""
     from pivotrl_hpc.checkpoint.folders import check_run
     from pivotrl_hpc.checkpoint.layout import clean_partial, read_state, resolve, root_for
+    from pivotrl_hpc.checkpoint.manifest import verify
 
     # nothing is read from (or removed in) a run folder another account could write into
     check_run(cfg.trace.path, getattr(cfg.trace, "group_shared", False))
@@ -63,6 +64,7 @@ def prepare(cfg) -> dict[str, Any] | None:
     path = resolve(cfg.resume, cfg.trace.path)
     if path is None:
         return None
+    verify(path)   # before any rank loads a byte of it (checkpoint.manifest)
     state = read_state(path)
     check_fixed(state, fixed_values(cfg), str(path))
     return {"path": str(path), "step": int(state["step"]), "version": int(state["version"])}

@@ -4,7 +4,7 @@ A checkpoint is taken right after a step's policy is replicated (`Controller._pu
 while the trainer is still resident: the training unit stays active until every training
 rank has written its part, so no shift can move it meanwhile; rollout and reward go on. The
 controller's state is captured at that moment and written last, then the folder is made
-whole (checkpoint.layout.commit).
+whole (checkpoint.writer.commit).
 
 On request one is taken after the next step: `request()` (SIGUSR1 to rank 0), or a request
 file the batch step writes (`<run>.logs/checkpoint.request`, polled once a second) when Slurm
@@ -24,7 +24,7 @@ import logging
 from pathlib import Path
 from typing import Any, Mapping
 
-from pivotrl_hpc.checkpoint import layout
+from pivotrl_hpc.checkpoint import layout, writer
 from pivotrl_hpc.checkpoint.folders import take_own, write_text
 from pivotrl_hpc.controller.flow import check_replies
 from pivotrl_hpc.controller.run_state import capture, restore
@@ -95,7 +95,7 @@ class Checkpointer:
         """Start checkpoint `ctl.step` (the trained steps); training stays busy until done."""
         mode, self.mode = self.mode, None
         state = capture(ctl, self.fixed)
-        tmp = layout.staging(self.root, state["step"])
+        tmp = writer.staging(self.root, state["step"], self.group_shared)
         ctl.training.active = True
         t0 = ctl.clock.now()
         ctl.devices.send(ctl.training.devices, SaveCheckpoint(str(tmp), state["version"]),
@@ -104,8 +104,10 @@ class Checkpointer:
     def _saved(self, ctl, tmp: Path, state: dict, t0: float, replies: list[Reply],
                mode: str | None) -> None:
         check_replies(replies)
-        layout.write_state(tmp, state)
-        final = layout.commit(tmp, self.keep)
+        writer.write_state(tmp, state, self.group_shared)
+        # the ranks hashed what they wrote: the manifest's entries of their files
+        digests = {k: v for r in replies for k, v in r.result.get("files", {}).items()}
+        final = writer.commit(tmp, self.keep, digests, self.group_shared)
         ctl.training.active = False
         ctl._event()
         seconds = self._save_s = ctl.clock.now() - t0

@@ -135,7 +135,8 @@ def add_checkpoints(ctl: Controller, cfg: Config, trace_path: str | Path) -> Non
 
     ctl.checkpoints = Checkpointer(root_for(trace_path), cfg.rl.checkpoint_every,
                                    cfg.rl.keep_checkpoints, fixed_values(cfg),
-                                   base_trace(Path(trace_path)).with_suffix(".logs"))
+                                   base_trace(Path(trace_path)).with_suffix(".logs"),
+                                   cfg.trace.group_shared)
     if folder := resumed_from(cfg):
         resume(ctl, folder)
 

@@ -19,53 +19,71 @@
 from __future__ import annotations
 
 import logging
+import os
 import random
-import shutil
 import time
 from pathlib import Path
 from typing import Any
 
 from pivotrl_hpc.checkpoint import treefile
-from pivotrl_hpc.checkpoint.layout import POLICY, CheckpointError, optim_file, readable
+from pivotrl_hpc.checkpoint.folders import file_mode, open_folder, write_at, write_by_path
+from pivotrl_hpc.checkpoint.layout import (OPTIM, POLICY, CheckpointError, optim_file,
+                                           staging_in)
+from pivotrl_hpc.checkpoint.manifest import entry_at
 from pivotrl_hpc.gps.layout import ParallelPlace
 
 log = logging.getLogger(__name__)
 
 # Files of a model folder that are not weights: what a loader needs beside model.safetensors.
 SKIP = (".safetensors", ".safetensors.index.json", ".bin", ".pt")
+WEIGHTS = "model.safetensors"
 
 
 def train_rank(place: ParallelPlace) -> int:
     return place.dp_rank * place.tp_size + place.tp_rank
 
 
-def save_policy(store, version: int, folder: Path, base_model: str | Path) -> int:
-    """The policy `version` (GPS Read, HF layout) as a HuggingFace folder; returns bytes."""
+def save_policy(store, version: int, folder: Path, base_model: str | Path,
+                group_shared: bool = False) -> tuple[int, dict]:
+    """The policy `version` (GPS Read, HF layout) as a HuggingFace folder; returns its bytes
+    and the manifest entries of its files (checkpoint.manifest)."""
     from safetensors.torch import save_file
 
-    out = Path(folder) / POLICY
-    out.mkdir(parents=True, exist_ok=True)
-    for f in Path(base_model).iterdir():
-        if f.is_file() and not f.name.endswith(SKIP):
-            shutil.copy2(f, out / f.name)
-    tensors = store.read("policy", ParallelPlace(), version)
-    tensors = {n: t.contiguous() for n, t in tensors.items()}
-    save_file(tensors, str(out / "model.safetensors"), metadata={
-        "format": "pt", "pivotrl_version": str(version)})
-    readable(out / "model.safetensors")   # safetensors writes 0600, the rest is 0644
-    return sum(t.numel() * t.element_size() for t in tensors.values())
+    mode = file_mode(group_shared)
+    out = open_folder(Path(folder) / POLICY, own=3, create=True, group_shared=group_shared)
+    try:
+        names = []
+        for f in sorted(Path(base_model).iterdir()):
+            if f.is_file() and not f.name.endswith(SKIP):
+                with open(f, "rb") as src:
+                    write_at(out, f.name, src.read(), mode)
+                names.append(f.name)
+        tensors = store.read("policy", ParallelPlace(), version)
+        tensors = {n: t.contiguous() for n, t in tensors.items()}
+        write_by_path(out, WEIGHTS, mode, lambda path: save_file(tensors, path, metadata={
+            "format": "pt", "pivotrl_version": str(version)}))
+        files = {f"{POLICY}/{n}": entry_at(out, n) for n in (*names, WEIGHTS)}
+    finally:
+        os.close(out)
+    return sum(t.numel() * t.element_size() for t in tensors.values()), files
 
 
-def save_training(trainer, folder: Path, rank: int) -> int:
-    """This rank's optimizer state, steps done and RNG states; returns the file's bytes.
-    A tree file (checkpoint.treefile: safetensors + JSON), never a pickle: loading one
-    another account planted must not run code (issue 46)."""
+def save_training(trainer, folder: Path, rank: int, group_shared: bool = False) -> dict:
+    """This rank's optimizer state, steps done and RNG states; returns the file's manifest
+    entry. A tree file (checkpoint.treefile: safetensors + JSON), never a pickle: loading
+    one another account planted must not run code."""
     import torch
 
     path = optim_file(folder, rank)
-    treefile.save({"optimizer": trainer.optimizer.state_dict(), "steps_done": trainer.steps_done,
-                   "torch_rng": torch.get_rng_state(), "python_rng": random.getstate()}, path)
-    return path.stat().st_size
+    state = {"optimizer": trainer.optimizer.state_dict(), "steps_done": trainer.steps_done,
+             "torch_rng": torch.get_rng_state(), "python_rng": random.getstate()}
+    out = open_folder(path.parent, own=3, group_shared=group_shared)
+    try:
+        write_by_path(out, path.name, file_mode(group_shared),
+                      lambda p: treefile.save(state, p))
+        return {f"{OPTIM}/{path.name}": entry_at(out, path.name)}
+    finally:
+        os.close(out)
 
 
 def load_training(trainer, folder: Path, rank: int) -> None:
@@ -85,7 +103,8 @@ def load_training(trainer, folder: Path, rank: int) -> None:
         trainer.steps_done = int(state["steps_done"])
         torch.set_rng_state(state["torch_rng"])
         random.setstate(python_rng)
-    except (treefile.TreeFileError, KeyError, TypeError, ValueError) as e:
+    except (treefile.TreeFileError, KeyError, TypeError, ValueError, IndexError,
+            AttributeError, RuntimeError) as e:   # a tree of the wrong shape for this job
         raise CheckpointError(f"{path}: not this job's optimizer state ({e})") from None
 
 
@@ -120,18 +139,23 @@ def _map(obj: Any, fn) -> Any:
 
 
 def save(worker, folder: str, version: int) -> tuple[dict, dict]:
-    """The SaveCheckpoint command on a training worker (runtime.worker)."""
-    trainer, place = worker.trainer, worker.spec.training_place
+    """The SaveCheckpoint command on a training worker (runtime.worker): into `folder` only
+    when it is a staging folder of the run's checkpoints the worker was told at start."""
+    trainer, place, spec = worker.trainer, worker.spec.training_place, worker.spec
+    folder = staging_in(spec.checkpoints, folder)
     if trainer is None:
         raise RuntimeError("checkpoint before the trainer was built (training never shifted up)")
     t0 = time.perf_counter()
     rank = train_rank(place)
-    result = {"rank": rank, "optim_bytes": save_training(trainer, Path(folder), rank)}
+    files = save_training(trainer, folder, rank, spec.group_shared)
+    result = {"rank": rank, "optim_bytes": next(iter(files.values()))["bytes"]}
     phases = {"checkpoint.optimizer": time.perf_counter() - t0}
     if rank == 0:
         t1 = time.perf_counter()
-        result["policy_bytes"] = save_policy(worker.store, version, Path(folder),
-                                             worker.spec.model_dirs["policy"])
+        result["policy_bytes"], policy = save_policy(
+            worker.store, version, folder, spec.model_dirs["policy"], spec.group_shared)
+        files.update(policy)
         phases["checkpoint.policy"] = time.perf_counter() - t1
+    result["files"] = files
     log.info("checkpoint v%d rank %d written to %s", version, rank, folder)
     return result, phases

@@ -61,6 +61,7 @@ def worker_env(cfg: Any, device: int, port_base: int) -> dict[str, str]:
 
 def worker_spec(cfg: Any, device: int, job: str, node: str, port_base: int):
     """The `WorkerSpec` of global device `device` (engine hosts, GPS of `job` on `node`)."""
+    from pivotrl_hpc.checkpoint.layout import root_for
     from pivotrl_hpc.gps.layout import ParallelPlace
     from pivotrl_hpc.runtime.worker import WorkerSpec
 
@@ -79,7 +80,9 @@ def worker_spec(cfg: Any, device: int, job: str, node: str, port_base: int):
                        if (w := engine_world(cfg, m, device, port_base, job, node))
                        is not None},
         gps_job=job, gps_node=node, device=device,
-        resume=resumed_from(cfg) if training else "")
+        resume=resumed_from(cfg) if training else "",
+        checkpoints=str(root_for(cfg.trace.path)) if training else "",
+        group_shared=bool(cfg.trace.group_shared))
 
 
 def replica_size(cfg: Any, model: str) -> int:

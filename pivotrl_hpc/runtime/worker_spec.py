@@ -40,6 +40,8 @@ class WorkerSpec:
     gps_node: str | None = None
     device: int = 0                 # global device index (names the hosts in errors)
     resume: str = ""                # checkpoint folder the trainer's optimizer state comes from
+    checkpoints: str = ""           # the run's checkpoints folder: a SaveCheckpoint writes
+    group_shared: bool = False      # only inside it (trace.group_shared: its files' modes)
 
 
 class RoleError(RuntimeError):

@@ -10,6 +10,7 @@ engines have under greedy decoding, which the controller checks on every finish.
 from __future__ import annotations
 
 import hashlib
+import os
 from dataclasses import dataclass, field
 from functools import lru_cache
 from itertools import islice
@@ -228,13 +229,17 @@ class ModeledWorker:
     def _checkpoint(self, cmd: SaveCheckpoint) -> dict:
         """A modeled training rank's state is its policy version: the first one writes it
         where the real rank writes the policy, every one its optimizer file."""
+        from pivotrl_hpc.checkpoint.folders import open_folder, write_at
         from pivotrl_hpc.checkpoint.layout import POLICY, optim_file
 
-        folder = Path(cmd.folder)
-        optim_file(folder, self.device).write_text(f"{cmd.version}\n")
-        if self.device == 0:
-            (folder / POLICY).mkdir(exist_ok=True)
-            (folder / POLICY / "version").write_text(f"{cmd.version}\n")
+        path = optim_file(Path(cmd.folder), self.device)
+        for folder, name in ((path.parent, path.name),) + (
+                ((Path(cmd.folder) / POLICY, "version"),) if self.device == 0 else ()):
+            fd = open_folder(folder, own=3, create=True)   # 0700, 0600 whatever the umask
+            try:
+                write_at(fd, name, f"{cmd.version}\n")
+            finally:
+                os.close(fd)
         return {"rank": self.device, "optim_bytes": 0}
 
     def _iterations(self, most: int, first: bool = True) -> StepOutput:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
+from pathlib import Path
 
 import torch
 
@@ -98,22 +100,19 @@ def scenario(w) -> tuple[dict, RolloutBatch]:
     return r, batch
 
 
-def checkpoint_round_trip(w, batch) -> tuple[dict, dict]:
+def checkpoint_round_trip(w, batch, root) -> tuple[dict, dict]:
     """Publish, checkpoint, take one more step (the reference); then restore as a resumed
     job does (params from the checkpoint's policy, refreshing the master weights from bf16,
     then the rank's optimizer file) and take the same step again."""
-    import tempfile
-    from pathlib import Path
-
     from safetensors.torch import load_file
 
+    from pivotrl_hpc.checkpoint.writer import staging
     from pivotrl_hpc.runtime.checkpoint import load_training
     from pivotrl_hpc.protocol.messages import SaveCheckpoint
 
-    tr, folder = w.trainer, Path(tempfile.mkdtemp(prefix="ckpt"))
+    tr, folder = w.trainer, staging(root, 1)   # the worker writes only into such a folder
     ok(w.handle(TrainStep(batch)))
     version = ok(w.handle(WaitWrite())).result["version"]
-    (folder / "optim").mkdir()
     saved = ok(w.handle(SaveCheckpoint(str(folder), version))).result
     params, mains = groups(tr)
     saved_state = everything(tr)
@@ -166,10 +165,11 @@ def main(policy: str, out: str) -> None:
     store = init_world_of_one()  # noqa: F841 - keeps the rendezvous port bound
     cfg = TrainerConfig(model=ModelBuildConfig(dtype="bfloat16"),
                         optim=OptimConfig(lr=1e-4, clip_grad=0), micro_batch_size=4)
-    with local_worker(WorkerSpec(model_dirs={"policy": policy}, trainer_config=cfg),
-                      job=f"bf16{os.getpid()}") as w:
+    root = Path(tempfile.mkdtemp(prefix="ckpt")) / "run.checkpoints"
+    with local_worker(WorkerSpec(model_dirs={"policy": policy}, trainer_config=cfg,
+                                 checkpoints=str(root)), job=f"bf16{os.getpid()}") as w:
         report, batch = scenario(w)
-        round_trip, resumed = checkpoint_round_trip(w, batch)
+        round_trip, resumed = checkpoint_round_trip(w, batch, root)
         report.update(round_trip)
     report.update(resume_then_shift(cfg, resumed))
     with open(out, "w") as f:
