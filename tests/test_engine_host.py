@@ -238,10 +238,10 @@ def test_worker_env_and_spec_of_a_tp2_genrm_and_tp2_x_dp2_training_job():
     cfg.roles.rollout_replica_size = cfg.models.policy.tensor_parallel = 2
     cfg.roles.train_devices, cfg.roles.train_tensor_parallel = 4, 2
     cfg.models.genrm.max_prompt_len, cfg.models.genrm.max_response_len = 80, 16
-    assert worker_env(cfg, 3, 30000) == {
-        "OMP_NUM_THREADS": "2", "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "3",
-        "MASTER_PORT": "30000", "MASTER_ADDR": "127.0.0.1"}
-    assert worker_env(cfg, 5, 30000) == {"OMP_NUM_THREADS": "2"}  # no training world
+    # the training world meets through the launcher's FileStore: no port, no address
+    assert worker_env(cfg, 3) == {
+        "OMP_NUM_THREADS": "2", "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "3"}
+    assert worker_env(cfg, 5) == {"OMP_NUM_THREADS": "2"}  # no training world
     train = worker_spec(cfg, 2, "j1", "n0", 30000)
     assert train.training_place == ParallelPlace(tp_size=2, tp_rank=0, dp_size=2, dp_rank=1)
     assert train.trainer_config.model.tp_size == 2 and train.engine_process
@@ -259,7 +259,7 @@ def test_worker_env_and_spec_of_a_tp2_genrm_and_tp2_x_dp2_training_job():
     assert (genrm.tensor_parallel_size, genrm.max_model_len, genrm.omp_threads,
             genrm.kv_cache_memory_bytes) == (2, 96, 2, 8 * MiB)
     with pytest.raises(ValueError, match="device 8"):
-        worker_env(cfg, 8, 30000)
+        worker_env(cfg, 8)
 
 
 def test_a_preloaded_host_builds_on_first_use_and_matches(tiny_models, agent, reference):

@@ -46,6 +46,7 @@ from pathlib import Path
 from pivotrl_hpc import envs
 from pivotrl_hpc.checkpoint.folders import create_at, file_mode, open_folder, write_text
 from pivotrl_hpc.runtime import cgroup
+from pivotrl_hpc.launch import mpi_private
 from pivotrl_hpc.launch.layout import (AGENT, CONTROLLER_RANK, LaunchError, RankInfo,
                                        RankLayout, RunPaths, check_placement, host_name, job_id,
                                        port_base)
@@ -248,7 +249,7 @@ class Rank:
     def _work(self, node_comm, ports: int) -> None:
         device, node = self.info.device, self.info.node_name
         from pivotrl_hpc.runtime.spec import worker_env, worker_spec
-        os.environ.update(worker_env(self.cfg, device, ports))   # before torch is imported
+        os.environ.update(worker_env(self.cfg, device))   # before torch is imported
         from pivotrl_hpc.runtime import host_forker
 
         os.environ[host_forker.ADDRESS_ENV] = host_forker.node_address(self.job, node,
@@ -385,6 +386,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
         print("usage: python -m pivotrl_hpc.launch.entry RESOLVED_CONFIG.json", file=sys.stderr)
+        return 2
+    try:   # before MPI_Init: Open MPI's shared files only in the job's 0700 folder
+        mpi_private.check(create=True)
+    except mpi_private.MPIFolderError as e:
+        print(f"entry: {e}", file=sys.stderr)
         return 2
     from mpi4py import MPI
 

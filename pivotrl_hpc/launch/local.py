@@ -43,6 +43,7 @@ from pivotrl_hpc.gps import shmdir
 from pivotrl_hpc.runtime import cgroup
 from pivotrl_hpc.launch.diagnose import diagnose as diagnose_ranks, job_exit_code
 from pivotrl_hpc.config.paradigm import normalize
+from pivotrl_hpc.launch import mpi_private
 from pivotrl_hpc.launch.layout import LaunchError, RankLayout, RunPaths, job_ports
 from pivotrl_hpc.launch.resume import MARKER, previous_job, stop_grace
 
@@ -98,6 +99,8 @@ def prepare(cfg, *, cpu_cap: bool = True, cores: int | None = None,
     if cgroup.caps_enabled(cfg, env):
         cgroup.check_writable(job)
     config, paths = resolved_config(cfg, Path(cfg.trace.path))
+    env.update(mpi_private.job_env(job, paths.logs))   # MPI's files, the training store
+    check_mpi(env)
     command = mpirun_command(mpirun, layout, paths.config_json, sorted(env))
     return PreparedRun(layout, paths, job, env, command, config, warning)
 
@@ -113,6 +116,14 @@ def resolved_config(cfg, trace: Path) -> tuple[dict, RunPaths]:
     except RunFolderError as e:
         raise LaunchError(f"run folder: {e}") from None
     return config, paths
+
+
+def check_mpi(env: dict[str, str]) -> None:
+    """Refuse before any work if Open MPI would put a segment in a shared folder."""
+    try:
+        mpi_private.settings(env)
+    except mpi_private.MPIFolderError as e:
+        raise LaunchError(str(e)) from None
 
 
 def group_shared(config: dict) -> bool:
@@ -150,6 +161,10 @@ def write_files(run: PreparedRun) -> None:
     except RunFolderError as e:
         raise LaunchError(f"run folder: {e}") from None
     sweep_killed_job(run)
+    try:   # fresh 0700 folders: Open MPI's files, the training world's store
+        mpi_private.make(run.env, shared)
+    except (mpi_private.MPIFolderError, RunFolderError, OSError) as e:
+        raise LaunchError(f"the job's private folders: {e}") from None
     run.paths.keep_previous_logs()
     run.paths.summary_json.unlink(missing_ok=True)
     write_text(run.paths.trace.parent, run.paths.config_json.name,
@@ -316,7 +331,7 @@ def sweep_killed_job(run: PreparedRun) -> None:
             raise LaunchError(f"run folder {run.paths.logs.parent} is in use: job {old} still "
                               f"runs there (rank pids {alive}); stop it or pick another "
                               "trace.path")
-        removed = sweep_segments(old)
+        removed = sweep_segments(old) + mpi_private.sweep(old, run.paths.logs)
         cgroup.remove_job(old, wait_s=1.0)
         if removed:
             log.warning("removed %d GPS segment(s) the killed job %s left", len(removed), old)
@@ -345,6 +360,7 @@ def _live_ranks(pid_files: list[Path]) -> list[int]:
 
 def cleanup(run: PreparedRun) -> None:
     """Whatever the ranks left (killed ones): segments in /dev/shm, cgroups."""
+    mpi_private.remove_all(run.env)
     removed = sweep_segments(run.job)
     if removed:
         log.warning("removed %d GPS segment(s) the ranks left: %s", len(removed), removed)
@@ -362,7 +378,8 @@ def sweep_segments(job: str) -> list[str]:
         p.unlink(missing_ok=True)
         removed.append(p.name)
     shmdir.remove_if_unused()   # a killed agent never released the folder
-    return removed + sweep_job(job)   # and the vLLM segments of its TP worlds
+    # and the vLLM segments of its TP worlds, and Open MPI's folder on this node
+    return removed + sweep_job(job) + mpi_private.sweep(job)
 
 
 # ---- diagnosis ---------------------------------------------------------------------------

@@ -42,7 +42,8 @@ from pivotrl_hpc.terminal import safe_logs
 from pivotrl_hpc.launch.diagnose import BAD_INPUT, bad_input, diagnose, job_exit_code
 from pivotrl_hpc.launch.layout import (LaunchError, RankLayout, RunPaths, expand_hostlist,
                                        job_ports)
-from pivotrl_hpc.launch.local import (PreparedRun, StderrFollower, free_port_base,
+from pivotrl_hpc.launch import mpi_private
+from pivotrl_hpc.launch.local import (PreparedRun, StderrFollower, check_mpi, free_port_base,
                                       group_shared, preempt_grace, resolved_config, sweep_segments,
                                       write_files)
 from pivotrl_hpc.launch.resume import (absolute_resume, continue_in, driving, earlier_runs,
@@ -189,7 +190,11 @@ def prepare(cfg, alloc: Allocation, *, root: str | Path | None = None,
             warnings.append(note)
     config, paths = resolved_config(cfg, trace)
     run_env = {envs.PORT_BASE.name: str(free_port_base(job_ports(len(layout.devices)))),
-               "OMP_NUM_THREADS": envs.OMP_NUM_THREADS.get(env)}
+               "OMP_NUM_THREADS": envs.OMP_NUM_THREADS.get(env),
+               # Open MPI's files in a 0700 folder each node's ranks make, the training
+               # world's store in the run's logs folder (launch/mpi_private.py)
+               **mpi_private.job_env(alloc.job_id, paths.logs)}
+    check_mpi(run_env)
     cpus = min(alloc.cpus) // layout.ranks_per_node
     command = srun_command(layout, alloc.gpus[0], cpus, paths.config_json,
                            entry=envs.ENTRY.get(env))
@@ -352,6 +357,7 @@ def cleanup(run: PreparedRun, failed: bool) -> None:
     """What killed ranks left: this node's segments and cgroups, and, after a failure, the
     other nodes' segments (one task per node; not after a stop signal: no new step can start
     while Slurm stops the job, and an orderly stop leaves nothing)."""
+    mpi_private.remove_all(run.env)   # this node's MPI folder, the training world's store
     removed = sweep_segments(run.job)
     if removed:
         log.warning("removed %d GPS segment(s) the ranks left: %s", len(removed), removed)

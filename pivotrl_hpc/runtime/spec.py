@@ -4,8 +4,11 @@ The launcher calls `worker_env` (before the worker imports torch) and `worker_sp
 worker rank. Conventions (one place, so that every rank derives the same ones):
 
 - Training devices are the first `roles.train_devices` global devices. Their torch world
-  (RANK = device, WORLD_SIZE = train_devices, MASTER_PORT = port_base) is the trainer's,
-  built once by it; Megatron orders TP fastest (tp_rank = rank % TP, dp_rank = rank // TP).
+  (RANK = device, WORLD_SIZE = train_devices) is the trainer's, built once by it; it meets
+  through the FileStore the launcher names in PIVOTRL_TRAIN_STORE (a 0700 folder of the
+  user's in the run's logs folder, which every node sees), nothing listens on a port for it
+  (engines.megatron.parallel). Megatron orders TP fastest (tp_rank = rank % TP,
+  dp_rank = rank // TP).
 - Inference engines run in engine hosts (`runtime.engine_host`). A replica of size s > 1 is
   an aligned slot of s consecutive devices on one node: slot j = device // s, TP rank =
   device % s, the world named by port_base + 100 + j for the GenRM (reward) and
@@ -13,8 +16,6 @@ worker rank. Conventions (one place, so that every rank derives the same ones):
   in the job's GPS folder on its node (the slot's devices share a node; runtime.tp_world),
   nothing listens on that port. The hosts of a slot start together (the controller shifts
   them up together).
-- MASTER_ADDR of the training world: PIVOTRL_MASTER_ADDR when set (a multi-node training
-  world under Slurm: node 0's address), else 127.0.0.1 (one machine, or training on node 0).
 - CPU share: `omp_threads = max(1, round(cluster.cpu_share))` per engine and trainer; GPUs:
   each worker sees its own device only (CUDA_VISIBLE_DEVICES), so LOCAL_RANK is 0.
 """
@@ -42,7 +43,7 @@ def training_devices(cfg: Any) -> range:
     return range(r.train_devices)
 
 
-def worker_env(cfg: Any, device: int, port_base: int) -> dict[str, str]:
+def worker_env(cfg: Any, device: int) -> dict[str, str]:
     """Environment of the worker of global device `device`, to set before torch loads."""
     _check_device(cfg, device)
     local = device % cfg.cluster.devices_per_node
@@ -54,8 +55,7 @@ def worker_env(cfg: Any, device: int, port_base: int) -> dict[str, str]:
         local = 0
     if device in training_devices(cfg):
         env.update(RANK=str(device), WORLD_SIZE=str(cfg.roles.train_devices),
-                   LOCAL_RANK=str(local), MASTER_PORT=str(port_base),
-                   MASTER_ADDR=envs.MASTER_ADDR.get())
+                   LOCAL_RANK=str(local))
     return env
 
 

@@ -53,19 +53,20 @@ class ParallelLayout:
 
 
 def single_process_world() -> None:
-    """The env vars of a one-rank torch world on a free local port (benchmarks and checks that
-    run a trainer in the calling process); variables already set are kept."""
-    from pivotrl_hpc.engines.ports import free_port
-
-    if not envs.MASTER_PORT.is_set():  # not an ephemeral port: engines may take those first
-        os.environ["MASTER_PORT"] = str(free_port())
-    for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"),
-                       ("MASTER_ADDR", "127.0.0.1")):
+    """The env vars of a one-rank torch world (benchmarks and checks that run a trainer in
+    the calling process); variables already set are kept. It meets through an in-process
+    store: no port is listened on."""
+    for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
         os.environ.setdefault(key, value)
 
 
 def init_distributed(timeout_s: float = 300.0) -> None:
-    """Join the default process group from the usual env vars (RANK, WORLD_SIZE, MASTER_*).
+    """Join the default process group: rank and size from RANK and WORLD_SIZE; it meets
+    through the job's FileStore (PIVOTRL_TRAIN_STORE, in a 0700 folder of the user's, made by
+    the launcher), in process for a one-rank world, else through MASTER_ADDR/MASTER_PORT (a
+    test's own world). A FileStore keeps another account from taking the rendezvous first,
+    as a TCPStore on a known port would let it (bind it first, or connect and read or write
+    the keys).
 
     NCCL on GPU (each rank binds LOCAL_RANK's device first), gloo on CPU. A group that the
     caller (e.g. the device worker) already created is reused.
@@ -77,9 +78,38 @@ def init_distributed(timeout_s: float = 300.0) -> None:
     if dist.is_initialized():
         return
     backend = "nccl" if on_gpu() else "gloo"
-    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = job_store(envs.WORLD_SIZE.get())
+    if store is None:
+        dist.init_process_group(backend=backend, timeout=timeout)
+    else:
+        dist.init_process_group(backend=backend, store=store, rank=envs.RANK.get(),
+                                world_size=envs.WORLD_SIZE.get(), timeout=timeout)
     log.info("process group up: backend=%s rank=%d world=%d", backend, dist.get_rank(),
              dist.get_world_size())
+
+
+_STORE_DIR_FD: list[int] = []   # the store's checked folder, open while the process lives
+
+
+def job_store(world_size: int):
+    """The training world's store: the launcher's FileStore (opened through a descriptor of
+    its folder, checked to be a 0700 folder of this user, so the folder cannot be swapped
+    after the check), a HashStore for a one-rank world, else None (env://)."""
+    path = envs.TRAIN_STORE.raw()
+    if path is None:
+        return dist.HashStore() if world_size == 1 and not envs.MASTER_PORT.is_set() else None
+    folder = os.path.dirname(path)
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    st = os.fstat(fd)
+    if st.st_uid != os.getuid() or st.st_mode & 0o077:
+        os.close(fd)
+        raise PermissionError(f"{envs.TRAIN_STORE.name}: {folder} is a folder of uid "
+                              f"{st.st_uid} with mode {st.st_mode & 0o7777:o}, not a 0700 "
+                              f"folder of uid {os.getuid()}: the training world will not "
+                              "meet there")
+    _STORE_DIR_FD.append(fd)
+    return dist.FileStore(f"/proc/self/fd/{fd}/{os.path.basename(path)}", world_size)
 
 
 def initialize_model_parallel(tp_size: int, seed: int = 1234) -> ParallelLayout:
