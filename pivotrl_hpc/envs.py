@@ -157,6 +157,13 @@ VLLM_CPU_OMP_THREADS_BIND = _var("VLLM_CPU_OMP_THREADS_BIND", str, "nobind",
                                  reader="vLLM")
 WANDB_PROJECT = _var("WANDB_PROJECT", str, "pivotrl", "the W&B project of trace.wandb",
                      reader="wandb")
+WANDB_MODE = _var("WANDB_MODE", str, "online", "wandb's mode (offline: no network, no key "
+                  "needed; disabled: nothing logged)", reader="wandb")
+WANDB_API_KEY = _var("WANDB_API_KEY", str, None, "wandb's key (else `wandb login`'s ~/.netrc "
+                     "entry): an online run without either is refused before start",
+                     reader="wandb")
+WANDB_BASE_URL = _var("WANDB_BASE_URL", str, "https://api.wandb.ai", "wandb's server, whose "
+                      "~/.netrc entry holds the key", reader="wandb")
 XDG_STATE_HOME = _var("XDG_STATE_HOME", str, None,
                       "the user's state folder (default ~/.local/state): the GPS folder's "
                       "record", reader="XDG")

@@ -63,14 +63,33 @@ def test_input_files_resolve_where_the_command_runs(tiny_models, tmp_path, monke
     cfg = load_config(config, [*base, "data.train=train.parquet"])
     assert cfg.reward.verifiable == f"{work / 'examples' / 'my_reward.py'}:compute_score"
     assert cfg.data.train == str(work / "train.parquet")
+    # typed on the command line: where the command runs, and nowhere else
     (conf / "only-here.parquet").write_bytes((work / "train.parquet").read_bytes())
-    cfg = load_config(config, [*base, "data.train=only-here.parquet"])
-    assert cfg.data.train == str(conf / "only-here.parquet")
     with pytest.raises(ConfigError) as e:
-        load_config(config, [*base, "data.train=absent.parquet"])
+        load_config(config, [*base, "data.train=only-here.parquet"])
+    assert e.value.key == "data.train" and str(work) in str(e.value) and \
+        "typed on the command line" in str(e.value)
+    # written in the config file: found in its folder when the command's has no such file
+    config.write_text(CONFIG.read_text().replace("../.run/models/data/train.parquet",
+                                                 "only-here.parquet"))
+    cfg = load_config(config, base)
+    assert cfg.data.train == str(conf / "only-here.parquet")
+    config.write_text(CONFIG.read_text().replace("../.run/models/data/train.parquet",
+                                                 "absent.parquet"))
+    with pytest.raises(ConfigError) as e:
+        load_config(config, base)
     assert e.value.key == "data.train" and str(work) in str(e.value) and str(conf) in str(e.value)
+    config.write_text(CONFIG.read_text())
     with pytest.raises(ConfigError) as e:
         load_config(config, [*base, "reward.verifiable=lib/absent.py:compute_score"])
     assert e.value.key == "reward.verifiable" and str(work) in str(e.value)
+    # models and the trace typed on the command line: where the command runs too (they were
+    # taken from the config file's folder)
+    cfg = load_config(config, [*base, "models.policy.path=pol", "trace.path=out/x.h5"],
+                      check_files=False)
+    assert (cfg.models.policy.path, cfg.trace.path) == (str(work / "pol"),
+                                                        str(work / "out" / "x.h5"))
+    assert load_config(config, base, check_files=False).trace.path == \
+        str(tmp_path / ".run" / "out" / "tiny-cpu.h5")   # ../.run/out of the config file
     # a file only the simulator reads the config of: not needed, no error
     assert load_config(config, [*base, "data.train=absent.parquet"], check_files=False)

@@ -21,29 +21,19 @@ import time
 from pathlib import Path
 
 import pytest
-
-NOBODY = 65534
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _root_only():
-    if os.getuid() != 0 or not Path("/usr/bin/python3").exists():
-        pytest.skip("running code as a second account needs root and the system Python")
+from test_security_planted import NOBODY
+from test_security_planted import _as_nobody as as_nobody
+from test_security_planted import _root_only  # noqa: F401  (autouse: root and the system Python)
+from test_security_planted import _run_nobody as run_nobody
 
 
-def _as_nobody(code: str, *args: str, group: bool = True) -> subprocess.Popen:
-    groups = ["--groups=65534"] if group else ["--clear-groups"]
-    return subprocess.Popen(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", *groups,
-                             "/usr/bin/python3", "-I", "-c", code, *args],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+def _as_nobody(code: str, *args: str) -> subprocess.Popen:
+    """`nobody`, a member of the shared folders' group, its stdin held open by the test."""
+    return as_nobody(code, *args, group=True, stdin=subprocess.PIPE)
 
 
-def _run_nobody(code: str, *args: str, group: bool = True) -> str:
-    p = _as_nobody(code, *args, group=group)
-    out, err = p.communicate(timeout=60)
-    assert p.returncode == 0, err
-    return out
+def _run_nobody(code: str, *args: str) -> str:
+    return run_nobody(code, *args, group=True)
 
 
 @pytest.fixture
@@ -279,3 +269,73 @@ def test_the_writers_set_their_modes_whatever_the_umask(tmp_path, umask, shared)
     assert {p.name: _mode(p) for p in files} == {p.name: f for p in files}
     folders = [tmp_path / "a", run, run / "job.logs", tb]
     assert {p.name: _mode(p) for p in folders} == {p.name: d for p in folders}
+
+
+# ---- a live job in a group-shared folder ---------------------------------------------------
+PLANT_RUN_LINKS = r"""
+import os, sys, time
+out, victims, ranks = sys.argv[1], sys.argv[2], int(sys.argv[3])
+logs = os.path.join(out, "job.logs")
+names = [os.path.join(out, n) for n in ("job.h5", "job.summary.json")]
+names += [os.path.join(logs, "mpirun.log")]
+names += [os.path.join(logs, f"rank-{r}.{x}") for r in range(ranks) for x in ("pid", "log")]
+deadline = time.time() + 600       # the launcher's last step before mpirun: the config
+while not os.path.exists(os.path.join(out, "job.config.json")) and time.time() < deadline:
+    time.sleep(0.002)
+planted = 0
+for i, name in enumerate(names):
+    try:
+        os.symlink(os.path.join(victims, f"v{i}"), name)
+        planted += 1
+    except FileExistsError:
+        pass
+os.mkfifo(os.path.join(logs, "checkpoint.request"), 0o666)
+print(planted, len(names))
+"""
+
+
+@pytest.mark.live
+def test_a_live_job_in_a_group_shared_folder_writes_through_no_planted_link(top, tiny_models):
+    """`trace.group_shared`, umask 002, a logs folder its group may write (2770, as an earlier
+    start under umask 002 left it): `nobody`, a member, plants links to the user's 0600 files
+    for the trace, the summary, mpirun.log and every rank's pid and log file as soon as the
+    launcher has written the config, and a FIFO as the checkpoint request. The job ends 0;
+    every victim is intact; every run file is a regular file of mode 0640, TensorBoard's
+    folder 2750 (the set-group-ID bit of the shared folder kept); the FIFO was removed, not
+    read."""
+    import sys
+
+    from live_util import model_overrides
+
+    out = _group_folder(top / "grp")
+    _group_folder(out / "job.logs")
+    victims = top / "victims"
+    victims.mkdir(mode=0o700)
+    ranks = 10    # tiny-cpu: 2 nodes x (1 agent + 4 device workers)
+    for i in range(2 + 1 + 2 * ranks):
+        (victims / f"v{i}").write_text(f"keep {i}\n")
+        (victims / f"v{i}").chmod(0o600)
+    planter = _as_nobody(PLANT_RUN_LINKS, str(out), str(victims), str(ranks))
+    root = Path(__file__).resolve().parents[1]
+    p = subprocess.run([sys.executable, "-m", "pivotrl_hpc.cli.main", "run",
+                        str(root / "configs" / "tiny-cpu.yaml"), *model_overrides(tiny_models),
+                        f"trace.path={out / 'job.h5'}", "trace.group_shared=true",
+                        "trace.tensorboard=true", "rl.steps=2"],
+                       capture_output=True, text=True, timeout=900, cwd=root, umask=0o002,
+                       env={**os.environ, "UCX_MODULES": "^ib,rdmacm"})
+    planted, wanted = map(int, planter.communicate(timeout=60)[0].split())
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    assert planted >= wanted - 1      # mpirun.log may be made before nobody sees the config
+    changed = [v.name for v in sorted(victims.iterdir()) if v.read_text() != f"keep {v.name[1:]}\n"]
+    assert changed == []
+    logs = out / "job.logs"
+    files = [out / "job.h5", out / "job.summary.json", out / "job.config.json",
+             logs / "mpirun.log", *(logs / f"rank-{r}.{x}" for r in range(ranks)
+                                    for x in ("pid", "log")),
+             *(out / "job.tensorboard").iterdir()]
+    modes = {str(f.relative_to(out)): (stat.S_ISREG(os.lstat(f).st_mode), _mode(f))
+             for f in files}
+    assert modes == {name: (True, 0o640) for name in modes}
+    assert _mode(out / "job.tensorboard") == 0o2750    # set-group-ID kept from the folder
+    assert not os.path.lexists(logs / "checkpoint.request")
+    assert "ignored" in (logs / "rank-0.log").read_text()

@@ -44,7 +44,11 @@ def event_class():
 def read_events(folder: Path) -> list:
     files = sorted(folder.glob("events.out.tfevents.*"))
     assert len(files) == 1, files
-    data, pos, Event, out = files[0].read_bytes(), 0, event_class(), []
+    return read_event_file(files[0])
+
+
+def read_event_file(path: Path) -> list:
+    data, pos, Event, out = path.read_bytes(), 0, event_class(), []
     while pos < len(data):
         header = data[pos:pos + 8]
         (length,) = struct.unpack("<Q", header)

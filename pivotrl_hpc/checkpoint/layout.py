@@ -101,6 +101,23 @@ def latest(root: Path) -> Path | None:
     return found[-1] if found else None
 
 
+def _run_of(folder: Path) -> str | None:
+    try:
+        return str(json.loads((folder / STATE).read_text()).get("run") or "") or None
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def prunable(final: Path, keep: int) -> list[Path]:
+    """What committing `final` drops: the whole checkpoints of its own run (its state's
+    "run" id; those without one count as one run) but the newest `keep`. Another run's are
+    never dropped: pruning by step order alone once removed a new run's step 1 as the
+    oldest beside an earlier run's steps 8 and 10."""
+    run = _run_of(final)
+    mine = [p for p in whole(final.parent) if _run_of(p) == run]
+    return mine[:-keep] if keep > 0 else mine
+
+
 _STAGING = re.compile(r"\.step-[0-9]{6,12}\.tmp")   # what `staging` makes
 
 

@@ -31,7 +31,8 @@ def check_fixed(state: Mapping[str, Any], fixed: Mapping[str, Any], where: str) 
     for key, value in state.get("fixed", {}).items():
         if key in fixed and key != "rl.steps" and fixed[key] != value:
             raise CheckpointError(f"{where} was made with {key}={value!r}, the config says "
-                                  f"{fixed[key]!r}; resume=false starts afresh")
+                                  f"{fixed[key]!r}; resume=fresh_aside moves that run aside and "
+                                  "starts afresh")
     if state["step"] > fixed.get("rl.steps", state["step"]):
         raise CheckpointError(f"{where} holds {state['step']} trained steps, more than "
                               f"rl.steps={fixed['rl.steps']}")

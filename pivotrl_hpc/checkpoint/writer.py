@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from pivotrl_hpc.checkpoint.folders import file_mode, open_folder, write_at
-from pivotrl_hpc.checkpoint.layout import FORMAT, MARK, OPTIM, STATE, name, whole
+from pivotrl_hpc.checkpoint.layout import FORMAT, MARK, OPTIM, STATE, name, prunable
 from pivotrl_hpc.checkpoint.manifest import build
 
 
@@ -46,7 +46,7 @@ def commit(tmp: Path, keep: int, digests: dict[str, Any] | None = None,
         shutil.rmtree(final)
     os.rename(tmp, final)
     _fsync(tmp.parent)
-    for old in whole(tmp.parent)[:-keep]:
+    for old in prunable(final, keep):
         shutil.rmtree(old, ignore_errors=True)
     for stale in tmp.parent.glob(".step-*.tmp"):
         if stale != tmp:

@@ -63,7 +63,7 @@ def run_once(config: Path, paradigm: str, steps: int, trace: Path, overrides: li
     """One `pivotrl run`; its exit, seconds, first error line and what it left in shm."""
     cmd = [sys.executable, "-m", "pivotrl_hpc.cli.main", "run", str(config),
            f"paradigm.name={paradigm}", f"rl.steps={steps}", f"trace.path={trace}",
-           "resume=false", *overrides]
+           "resume=fresh_aside", *overrides]   # an earlier run of the name: to old-<time>/
     before, t0 = shm_entries(), time.monotonic()
     try:
         p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -127,7 +127,7 @@ def main(args: argparse.Namespace) -> int:
     out = Path(args.out).resolve()
     trace = out / "soak.h5"
     cmd = [sys.executable, "-m", "pivotrl_hpc.cli.main", "run", args.config,
-           f"rl.steps={args.steps}", f"trace.path={trace}", "resume=false", *args.overrides]
+           f"rl.steps={args.steps}", f"trace.path={trace}", "resume=fresh_aside", *args.overrides]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     logs, samples, t0 = trace.with_suffix(".logs"), {}, time.monotonic()
     job = None

@@ -12,7 +12,9 @@ import argparse
 import sys
 
 from pivotrl_hpc.launch.diagnose import BAD_INPUT, bad_input
-from pivotrl_hpc.launch.preflight import load_checked
+from pivotrl_hpc.config import load_config
+from pivotrl_hpc.launch.preflight import preflight
+from pivotrl_hpc.launch.resume import complete, continue_line
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,7 +34,11 @@ def main(args: argparse.Namespace) -> int:
     from pivotrl_hpc.launch import local
 
     try:
-        cfg = load_checked(args.config, args.overrides)
+        cfg = load_config(args.config, args.overrides)
+        if not (args.dry_run or args.np_check) and (done := complete(cfg)) is not None:
+            print(f"pivotrl run: {done}")   # before the task is built or any rank starts
+            return 0
+        preflight(cfg)
         run = local.prepare(cfg, cpu_cap=not args.no_cpu_cap)
     except BAD_INPUT as e:
         print(f"pivotrl run: {bad_input(e, args.config)}", file=sys.stderr)
@@ -46,4 +52,8 @@ def main(args: argparse.Namespace) -> int:
         ok, message = local.np_check(run)
         print(f"np check {'ok' if ok else 'FAILED'}: {message}")
         return 0 if ok else 1
-    return local.launch(run)
+    code = local.launch(run)
+    if code > 128:   # stopped by a signal (Ctrl-C): how to go on
+        print(f"pivotrl run: {continue_line(args.config, args.overrides, run.paths.trace)}",
+              file=sys.stderr)
+    return code

@@ -101,11 +101,14 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     return data
 
 
-def resolve_paths(cfg: Config, base: Path, check_files: bool = True) -> Config:
-    """Relative paths: the task's input files (data, a template file, a compute_score file)
-    where the command runs (cwd) or else in the config file's folder (an error names both
-    when neither has it); models, trace and throughput profile in the config's folder."""
-    def fix(key: str, p: str, root: Path = base) -> str:
+def resolve_paths(cfg: Config, base: Path, check_files: bool = True,
+                  typed: frozenset[str] = frozenset()) -> Config:
+    """Relative paths: a path typed on the command line (`typed`: its dotted keys) is taken
+    from where the command runs (cwd); one a config file gives, from that file's folder
+    (`base`), except the task's input files (data, a template file, a compute_score file),
+    looked up in cwd first (an error names both folders when neither has it)."""
+    def fix(key: str, p: str, root: Path | None = None) -> str:
+        root = root or (Path.cwd() if key in typed else base)
         try:
             p.encode("utf-8")
             return str((root / p).resolve()) if p and not Path(p).is_absolute() else p
@@ -113,8 +116,14 @@ def resolve_paths(cfg: Config, base: Path, check_files: bool = True) -> Config:
             raise ConfigError(key, f"{p!r} is not a usable path ({e})") from None
 
     def given(key: str, p: str, needed: bool = True) -> str:
-        here, there = fix(key, p, Path.cwd()), fix(key, p)
+        here, there = fix(key, p, Path.cwd()), fix(key, p, base)
         if Path(here).exists() or here == there:
+            return here
+        if key in typed:
+            if check_files and needed:
+                raise ConfigError(key, f"{p} is not in {Path.cwd()} (where the command runs, "
+                                       f"which a path typed on the command line is taken "
+                                       f"from)")
             return here
         if Path(there).exists():
             return there
@@ -254,7 +263,8 @@ def load_explained(path: str | Path | None, overrides: list[str] = (), *,
     from pivotrl_hpc.config.validate import validate
 
     data, origins, base = layered(path, overrides, includes=includes)
-    cfg = resolve_paths(build(Config, data), base, check_files)
+    typed = frozenset(k for k, v in origins.items() if v == "command line")
+    cfg = resolve_paths(build(Config, data), base, check_files, typed)
     _check_calibration(cfg)
     validate(cfg, check_files=check_files)
     return cfg, origins

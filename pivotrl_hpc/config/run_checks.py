@@ -30,6 +30,31 @@ def trace_settings(cfg: Config) -> None:
         raise ConfigError("trace.samples", f"{t.samples} must be >= 0 (none: 0)")
 
 
+def check_wandb_key(cfg: Config) -> None:
+    """wandb online needs a key (WANDB_API_KEY, or `wandb login`'s ~/.netrc entry for its
+    server); without one, wandb.init fails in rank 0 once the job has started."""
+    import netrc
+    from urllib.parse import urlparse
+
+    from pivotrl_hpc import envs
+
+    if "wandb" not in cfg.trace.loggers or \
+            envs.WANDB_MODE.get().lower() in ("offline", "disabled", "dryrun"):
+        return
+    if envs.WANDB_API_KEY.get():
+        return
+    host = urlparse(envs.WANDB_BASE_URL.get()).hostname or "api.wandb.ai"
+    try:
+        if netrc.netrc().authenticators(host):
+            return
+    except (OSError, netrc.NetrcParseError):
+        pass
+    raise ConfigError("trace.loggers", f"wandb runs online and has no key (no WANDB_API_KEY, "
+                                       f"no ~/.netrc entry for {host}): `wandb login`, or "
+                                       f"WANDB_MODE=offline to log without a network, or "
+                                       f"leave wandb out")
+
+
 REAL_VOCAB = 32000   # a folder's vocab_size from here up: a real model, not a tiny stand-in
 _warned: set[str] = set()
 

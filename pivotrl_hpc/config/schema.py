@@ -259,6 +259,11 @@ class RewardConfig:
     genrm_regex: str = ""
     genrm_default: float = 0.0    # the score of an unparseable or truncated judgement
     genrm_thinking: bool = True   # enable_thinking, where the GenRM's chat template takes it
+    # a verifiable reward function that raises on a response: "raise" ends the job naming
+    # the function, the sample and its data source; "default" scores that response
+    # `verifiable_default` (not correct), logs it and counts it (summary: reward_fn_errors)
+    on_error: Literal["raise", "default"] = "raise"
+    verifiable_default: float = 0.0
     weights: RewardWeights = field(default_factory=RewardWeights)
 
 
@@ -285,7 +290,8 @@ class TraceConfig:
     group_shared: bool = False
 
 
-RESUME_KEYWORDS = ("auto", "false", "")   # resume values that name no checkpoint
+# resume values that name no checkpoint (launch.resume.ASIDE is "fresh_aside")
+RESUME_KEYWORDS = ("auto", "false", "", "fresh_aside")
 
 
 def names_a_path(resume: bool | str) -> bool:
@@ -315,8 +321,11 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     trace: TraceConfig = field(default_factory=TraceConfig)
     # Where the job starts: "auto" (or true) continues from the run's newest whole checkpoint
-    # if it has one, false starts afresh, a path names a checkpoint (or a run to take the
-    # newest of). The launch resolves it: the ranks see the checkpoint folder or "".
+    # if it has one (a run already at rl.steps: nothing to do, exit 0); false starts afresh,
+    # refused where an earlier run of this trace left its trace or checkpoints;
+    # "fresh_aside" moves such a run intact to old-<time>/ beside it and starts afresh; a
+    # path names a checkpoint (or a run to take the newest of). The launch resolves it: the
+    # ranks see the checkpoint folder or "".
     resume: bool | str = "auto"
 
     @property

@@ -296,6 +296,7 @@ def validate(cfg: Config, check_files: bool = True) -> None:
     run_checks.trace_settings(cfg)
     if check_files:
         run_checks.check_length_mode(cfg)
+        run_checks.check_wandb_key(cfg)
         _models_on_disk(cfg)
 
 

@@ -27,6 +27,7 @@ from pivotrl_hpc.controller.mpi_handle import MPIInbox, MPIWorkerHandle
 from pivotrl_hpc.controller.policy import TauTracker, initial_tau, make_paradigm_policy
 from pivotrl_hpc.controller.report import format_summary
 from pivotrl_hpc.controller.rl import Lengths, RLBook
+from pivotrl_hpc.controller.segments import with_segments
 from pivotrl_hpc.plan.types import ReplicaSpec, ShiftPlan
 from pivotrl_hpc.protocol.messages import Shutdown
 from pivotrl_hpc.task.task import build_task
@@ -212,6 +213,23 @@ def _on_stop_signal(ctl: Controller, grace_s: float, stopper=None) -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
+def run_id(cfg: Config) -> str:
+    """The run's id, the same in every segment: the resumed checkpoint's (its state.json
+    "run"), else a new one. Its checkpoints carry it (pruning keeps to the run's own) and
+    wandb resumes the run of that id."""
+    import uuid
+
+    from pivotrl_hpc.checkpoint.layout import CheckpointError, read_state
+    from pivotrl_hpc.config.schema import resumed_from
+
+    if folder := resumed_from(cfg):
+        try:
+            return str(read_state(Path(folder)).get("run") or uuid.uuid4().hex[:12])
+        except CheckpointError:
+            pass
+    return uuid.uuid4().hex[:12]
+
+
 def run_on(cfg: Config, comm, device_ranks: Mapping[int, int], trace_path: str | Path,
            placement: list[dict] | None = None, stopper=None) -> dict[str, Any]:
     from pivotrl_hpc.config.schema import resumed_from
@@ -223,14 +241,19 @@ def run_on(cfg: Config, comm, device_ranks: Mapping[int, int], trace_path: str |
     devices = Devices([MPIWorkerHandle(comm, rank, d, inbox)
                        for d, rank in sorted(device_ranks.items())])
     meta = {"config": to_dict(cfg), "paradigm": cfg.paradigm.name, "host": socket.gethostname(),
-            "resumed_from": resumed_from(cfg),
+            "resumed_from": resumed_from(cfg), "run_id": run_id(cfg),
             "device_ranks": {str(d): r for d, r in device_ranks.items()},
             "ranks": placement or []}
-    trace = TraceWriter(str(trace_path), meta, **sinks(trace_path, cfg.trace, meta))
+    try:   # a logger that cannot start (wandb) ends the job now, not at a barrier's time-out
+        trace = TraceWriter(str(trace_path), meta, **sinks(trace_path, cfg.trace, meta))
+    except BaseException:
+        devices.stop_all(Shutdown(), clock, 10.0)
+        raise
     summary: dict[str, Any] | None = None
     try:
         try:
             ctl = build_controller(cfg, devices, clock, trace, ThreadDecider())
+            ctl.run_id = meta["run_id"]
             add_checkpoints(ctl, cfg, trace_path)
         except BaseException:   # the loop never ran: its shutdown neither, so stop them here
             devices.stop_all(Shutdown(), clock, 10.0)
@@ -239,13 +262,15 @@ def run_on(cfg: Config, comm, device_ranks: Mapping[int, int], trace_path: str |
         _on_stop_signal(ctl, cfg.rl.preempt_grace_s, stopper)
         if stopper is not None:
             ctl.stop_check = stopper.check
-        summary = ctl.run()
+        summary = with_segments(ctl.run(), trace_path)   # the run's earlier segments too
         summary["controller_peak_rss_mb"] = resource.getrusage(
             resource.RUSAGE_SELF).ru_maxrss / 1024
         log.info("summary:\n%s", format_summary(summary))
         return summary
     except BaseException as exc:
         trace.append("events", t=clock.now(), kind="error", message=f"{type(exc).__name__}: {exc}")
+        if getattr(exc, "summary", None) is not None:   # stopped by a signal: kept, as is
+            summary = exc.summary = with_segments(exc.summary, trace_path)
         raise
     finally:
         trace.close(summary)

@@ -129,8 +129,12 @@ class Controller:
                 summary["stopped"] = self.stop_reason
             summary["peak_rss_mb"] = peak_rss
             return summary
-        except KeyboardInterrupt:   # a stop signal (launch.stop.Interrupted): an orderly stop
+        except KeyboardInterrupt as e:   # a stop signal (launch.stop.Interrupted): orderly
             stopped = True
+            try:   # what the run did until the stop, for the summary the launch writes
+                e.summary = {**self.report.summary(), "stopped": f"{e} after step {self.step}"}
+            except Exception:   # the stop goes on without it
+                log.exception("no summary at the stop")
             raise
         finally:
             self.trace.flush()  # readable whatever happens next (a dead worker gets us killed)

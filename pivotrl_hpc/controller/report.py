@@ -15,6 +15,7 @@ from typing import Any, Protocol
 from pivotrl_hpc.controller.clock import Clock
 from pivotrl_hpc.controller.rl import RLBook, Sample, lag
 from pivotrl_hpc.controller.samples import kept, sample_row
+from pivotrl_hpc.controller.segments import describe as segments_line
 from pivotrl_hpc.plan.snapshot import GEN_ROLES, TRAINING, TRAINING_ID
 
 log = logging.getLogger(__name__)
@@ -289,6 +290,8 @@ class Reporter:
                                 for s in self.steps],
             "validation": self.validations, "max_lag": self.max_lag,
             "staleness_held_s": ctl.book.held_s, "unparsed_genrm": ctl.book.unparsed,
+            # responses the reward function raised on, scored by reward.on_error: default
+            "reward_fn_errors": getattr(ctl.task, "reward_errors", 0),
             # prompts over models.policy.max_prompt_len left out, per split (data.overlong)
             "prompts_filtered": dict(getattr(ctl.task, "filtered", {})),
             "in_flight_at_end": ctl.book.in_flight(),
@@ -358,6 +361,11 @@ def format_summary(s: dict[str, Any]) -> str:
     lines.append(f"  max version lag {s['max_lag']}, admission held {s['staleness_held_s']:.1f} s"
                  f" by staleness, unparsed GenRM verdicts {s['unparsed_genrm']}, "
                  f"samples in flight at the end {s['in_flight_at_end']}")
+    if (line := segments_line(s)) is not None:
+        lines.append(line)
+    if s.get("reward_fn_errors"):
+        lines.append(f"  reward function errors scored by reward.on_error=default: "
+                     f"{s['reward_fn_errors']}")
     if any(s.get("prompts_filtered", {}).values()):
         lines.append("  prompts over the length cap left out: " + ", ".join(
             f"{split} {n}" for split, n in s["prompts_filtered"].items()))

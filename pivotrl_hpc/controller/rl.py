@@ -21,6 +21,7 @@ from typing import Protocol, Sequence
 from pivotrl_hpc.protocol.engine import Sampling
 from pivotrl_hpc.sched.partial import Group, deadline, form_batch
 from pivotrl_hpc.task.types import PromptData, Score  # the loop's vocabulary
+from pivotrl_hpc.task.errors import RewardFunctionError
 
 
 class Task(Protocol):
@@ -191,7 +192,10 @@ class RLBook:
         if s.state != "rolled":
             raise RuntimeError(f"sample {sid} rewarded in state {s.state}")
         s.judgement = list(judgement)
-        s.score = task.score(s.prompt, s.response, s.judgement)
+        try:
+            s.score = task.score(s.prompt, s.response, s.judgement)
+        except RewardFunctionError as e:
+            raise RewardFunctionError(f"sample {sid}: {e}") from e.__cause__
         self.unparsed += not s.score.parsed
         s.state = "rewarded"
         self._open = None

@@ -22,6 +22,7 @@ def capture(ctl, fixed: Mapping[str, Any]) -> dict[str, Any]:
     pending = [s for s in book.samples.values() if s.batch >= trained and s.state != "trained"]
     return {
         "step": trained, "version": version, "fixed": dict(fixed),
+        "run": getattr(ctl, "run_id", ""),   # the run's id, the same in every segment
         "book": {"next_prompt": book.next_prompt, "next_sid": book.next_sid,
                  "rng": _rng_to_json(book.rng.getstate()), "held_s": book.held_s,
                  "unparsed": book.unparsed},

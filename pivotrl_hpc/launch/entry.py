@@ -159,6 +159,7 @@ class Rank:
                                           cfg.rl.preempt_grace_s, 10.0), self._expired)
         self.agent: AgentThread | None = None
         self.failed = False
+        self.error_written = False
         self.resumed: dict | None = None   # the checkpoint this job starts from
 
     def run(self) -> int:
@@ -226,7 +227,9 @@ class Rank:
                               stopper=self.stopper)
         except Interrupted as e:
             log.warning("controller %s", e)
-            return
+            summary = getattr(e, "summary", None)   # what it did until then (controller.loop)
+            if summary is None:
+                return
         except Exception as e:  # the job still stops in order
             self.failed = True
             self._write_error(e)
@@ -309,6 +312,12 @@ class Rank:
                                        f"{signal.Signals(signum).name}"))
 
     def _write_error(self, e: BaseException) -> None:
+        """rank-N.error.json: the rank's first error, which the launcher names on the console
+        (a later one, such as the end-of-job barrier's time-out that follows a controller's
+        failure, goes to the rank's log only)."""
+        if self.error_written:
+            return
+        self.error_written = True
         info = self.info
         self._write_log_file(self.paths.rank_error(info.rank), json.dumps({
             "rank": info.rank, "host": host_name(), "node": info.node_name, "kind": info.kind,

@@ -45,7 +45,8 @@ from pivotrl_hpc.launch.diagnose import diagnose as diagnose_ranks, job_exit_cod
 from pivotrl_hpc.config.paradigm import normalize
 from pivotrl_hpc.launch import mpi_private
 from pivotrl_hpc.launch.layout import LaunchError, RankLayout, RunPaths, job_ports
-from pivotrl_hpc.launch.resume import MARKER, previous_job, stop_grace
+from pivotrl_hpc.launch.resume import (ASIDE, MARKER, check_owner, move_aside, previous_job,
+                                       stop_grace)
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +100,7 @@ def prepare(cfg, *, cpu_cap: bool = True, cores: int | None = None,
     if cgroup.caps_enabled(cfg, env):
         cgroup.check_writable(job)
     config, paths = resolved_config(cfg, Path(cfg.trace.path))
+    check_owner(cfg.resume, paths.trace)   # resume=false over an earlier run: refused
     env.update(mpi_private.job_env(job, paths.logs))   # MPI's files, the training store
     check_mpi(env)
     command = mpirun_command(mpirun, layout, paths.config_json, sorted(env))
@@ -161,6 +163,12 @@ def write_files(run: PreparedRun) -> None:
     except RunFolderError as e:
         raise LaunchError(f"run folder: {e}") from None
     sweep_killed_job(run)
+    if run.config.get("resume") == ASIDE and \
+            (aside := move_aside(run.paths.trace, shared)) is not None:
+        log.warning("resume=%s: the earlier run of %s moved to %s; starting afresh", ASIDE,
+                    run.paths.trace.name, aside)
+        check_run(run.paths.trace, shared, create=True)
+    write_text(run.paths.logs, MARKER, f"{run.job}\n", shared, own=2)
     try:   # fresh 0700 folders: Open MPI's files, the training world's store
         mpi_private.make(run.env, shared)
     except (mpi_private.MPIFolderError, RunFolderError, OSError) as e:
@@ -335,7 +343,6 @@ def sweep_killed_job(run: PreparedRun) -> None:
         cgroup.remove_job(old, wait_s=1.0)
         if removed:
             log.warning("removed %d GPS segment(s) the killed job %s left", len(removed), old)
-    write_text(run.paths.logs, MARKER, f"{run.job}\n", shared, own=2)
 
 
 def rank_pids(run: PreparedRun) -> list[int]:

@@ -26,13 +26,15 @@ def load_checked(path: str | Path | None, overrides: list[str] = ()) -> Config:
 
 
 def check_start(cfg: Config) -> None:
-    """The checkpoint the job would start from, checked as the ranks will."""
+    """The checkpoint the job would start from, checked as the ranks will: against the
+    config the paradigm implies (colocated: staleness 0), which the ranks read."""
     from pivotrl_hpc.checkpoint.folders import RunFolderError
     from pivotrl_hpc.checkpoint.layout import CheckpointError
     from pivotrl_hpc.checkpoint.state import prepare
+    from pivotrl_hpc.config.paradigm import normalize
 
     try:
-        prepare(cfg)
+        prepare(normalize(cfg))
     except RunFolderError as e:   # the run folder itself (issue 46), before any resume
         raise ConfigError("trace.path", str(e)) from None
     except CheckpointError as e:

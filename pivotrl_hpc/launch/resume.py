@@ -12,7 +12,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from pivotrl_hpc.checkpoint.folders import open_folder, read_own, write_at
+from pivotrl_hpc.checkpoint.folders import new_folder_at, open_folder, read_own, write_at
 from pivotrl_hpc.checkpoint.layout import REQUEST_FILE, latest, root_for, segments
 from pivotrl_hpc.launch.layout import CONTROLLER_RANK, LaunchError
 from pivotrl_hpc.protocol import mpi
@@ -93,6 +93,110 @@ def earlier_runs(runs: Path, job_name: str, trace_name: str, this: Path) -> str 
     return (f"{run} holds checkpoints of this config (newest {ckpt.name}); this job starts "
             f"afresh in {this}. To continue that run instead: pivotrl resume {run} (or sbatch "
             f"slurm/pivot.sbatch CONFIG resume={run})")
+
+
+ASIDE = "fresh_aside"   # resume=fresh_aside: move an earlier run aside, then start afresh
+_RUN_SUFFIXES = (".checkpoints", ".summary.json", ".config.json", ".logs", ".tensorboard")
+
+
+def fresh(resume: bool | str) -> bool:
+    """Whether `resume` asks for a fresh start over whatever the run folder holds."""
+    return resume in (False, "false", "")
+
+
+def held_run(trace: str | os.PathLike) -> str | None:
+    """What an earlier run of this name left beside `trace` that a fresh start would lose
+    (its trace segments, its whole checkpoints), in words; None when neither is there."""
+    parts = []
+    if segs := segments(trace):
+        more = f" + {len(segs) - 1} later segment(s)" if len(segs) > 1 else ""
+        parts.append(f"trace {segs[0].name}{more}")
+    if (ckpt := latest(root_for(trace))) is not None:
+        parts.append(f"checkpoints up to {ckpt.name}")
+    return " and ".join(parts) or None
+
+
+def check_owner(resume: bool | str, trace: str | os.PathLike) -> None:
+    """A run folder has one owner run: a fresh start (resume=false) where an earlier run of
+    this name left its trace or checkpoints is refused, naming them and the ways on."""
+    if not fresh(resume) or (what := held_run(trace)) is None:
+        return
+    folder = Path(trace).parent
+    raise LaunchError(f"{folder} holds an earlier run of {Path(trace).name} ({what}) that "
+                      f"resume=false would overwrite: resume=auto continues it, a new "
+                      f"trace.path starts afresh in a new folder, resume={ASIDE} moves it to "
+                      f"{folder}/old-<time>/ and starts afresh here")
+
+
+def move_aside(trace: str | os.PathLike, group_shared: bool = False) -> Path | None:
+    """Every file of the run of `trace` (its trace segments, checkpoints, summary, resolved
+    config, logs and TensorBoard files) moved, intact, into a fresh `old-<time>/` of its
+    folder (made with `folders.folder_mode`, renamed under checked folder descriptors).
+    Returns that folder, None when there was nothing to move."""
+    base = Path(os.path.abspath(trace))
+    found = [*segments(base), *(p for s in _RUN_SUFFIXES
+                                if os.path.lexists(p := base.with_suffix(s)))]
+    if not found:
+        return None
+    fd = open_folder(base.parent, own=1, group_shared=group_shared)
+    try:
+        stamp = time.strftime("old-%Y%m%d-%H%M%S")
+        name, n = stamp, 1
+        while (dest := new_folder_at(fd, name, group_shared)) is None:
+            name, n = f"{stamp}-{n}", n + 1
+        try:
+            for p in found:
+                os.rename(p.name, p.name, src_dir_fd=fd, dst_dir_fd=dest)
+        finally:
+            os.close(dest)
+    finally:
+        os.close(fd)
+    return base.parent / name
+
+
+def complete(cfg) -> str | None:
+    """The line for a run already done: `resume=auto` would start from a checkpoint of this
+    config (the one the paradigm implies) that holds all rl.steps trained steps. None when
+    there is more to do, or no such checkpoint (the preflight names what is wrong with one).
+    Reads the checkpoint's state alone: a moment, before the task is built."""
+    from pivotrl_hpc.checkpoint.folders import check_run
+    from pivotrl_hpc.checkpoint.layout import CheckpointError, read_state
+    from pivotrl_hpc.checkpoint.state import check_fixed, fixed_values
+    from pivotrl_hpc.config.paradigm import normalize
+
+    if cfg.resume not in (True, "auto"):
+        return None
+    try:
+        check_run(cfg.trace.path, cfg.trace.group_shared)   # nothing read from a planted one
+        if (ckpt := latest(root_for(cfg.trace.path))) is None:
+            return None
+        state = read_state(ckpt)
+        check_fixed(state, fixed_values(normalize(cfg)), str(ckpt))
+    except CheckpointError:
+        return None
+    step = state["step"]
+    if step < cfg.rl.steps:
+        return None
+    return (f"{cfg.trace.path}: already complete at step {step} of {cfg.rl.steps} ({ckpt}); "
+            f"nothing done. rl.steps=M with M > {step} continues it; resume={ASIDE} moves it "
+            f"aside and starts afresh")
+
+
+def continue_line(config: str, overrides: Sequence[str], trace: Path) -> str:
+    """What a stopped `pivotrl run` prints last: its summary and the exact command that
+    continues the run (the same config and overrides, resume=auto)."""
+    import shlex
+    import sys
+
+    prog = sys.argv[0] if Path(sys.argv[0]).name == "pivotrl" else "pivotrl"
+    kept = [o for o in overrides if o.partition("=")[0].strip() != "resume"]
+    cmd = shlex.join([prog, "run", str(config), *kept, "resume=auto"])
+    summary = trace.with_suffix(".summary.json")
+    said = f"summary {summary}; " if summary.is_file() else ""
+    if (ckpt := latest(root_for(trace))) is None:
+        return (f"{said}no checkpoint was written (rl.checkpoint_every=N writes one every N "
+                f"steps): {cmd} starts afresh")
+    return f"{said}to continue from {ckpt.name}: {cmd}"
 
 
 def forget_segments(trace: Path) -> None:

@@ -41,8 +41,11 @@ def submit(config: str | Path, overrides: Sequence[str] = (), *, nodes: int | No
     request that would pend forever fails at once rather than in the queue; the job checks
     the config again, with the allocation, before any rank starts. A relative `resume=PATH`
     is taken from the current folder (the job's submit directory)."""
+    from pivotrl_hpc.launch.layout import LaunchError
     from pivotrl_hpc.launch.resume import absolute_resume, continue_in
 
+    if (note := environment_note()) is not None:   # as `pivotrl submit` refuses
+        raise LaunchError(note)
     config = Path(config).resolve()
     overrides = absolute_resume(overrides, Path.cwd())
     asked = time_min = slurm_options.pop("time", None)

@@ -66,6 +66,21 @@ def _analyse(t) -> tuple[dict, list]:
     }, spans
 
 
+def run_segments(trace_path: str | Path) -> list[dict]:
+    """Every segment of the run `trace_path` belongs to (x.h5, x.seg1.h5, ...: each start of
+    a resumed job): its trace, steps, seconds and trained tokens."""
+    from pivotrl_hpc.checkpoint.layout import segments
+    from pivotrl_hpc.trace import open_trace
+
+    out = []
+    for path in segments(trace_path):
+        with open_trace(str(path)) as t:
+            steps = t.table("steps")
+            out.append({"trace": path.name, "steps": [int(s) for s in steps["step"]],
+                        "seconds": _end(t), "trained_tokens": int(steps["tokens"].sum())})
+    return out
+
+
 def _f(x, digits: int = 2) -> str:
     return "-" if x is None else f"{x:.{digits}f}" if isinstance(x, float) else str(x)
 
@@ -82,7 +97,19 @@ def markdown(num: dict) -> str:
     for role, sec in num["device_seconds"].items():
         frac = num["low_throughput_fraction"].get(role)
         lines.append(f"| {role} | {_f(sec, 1)} | {_f(frac)} |")
+    segs = num.get("segments", [])
+    if len(segs) > 1:   # a resumed run: every start's segment, and the run over them all
+        lines += ["", "| segment | steps | seconds | trained_tokens |", "|---|---|---|---|"]
+        lines += [f"| {g['trace']} | {_steps(g['steps'])} | {_f(g['seconds'], 1)} | "
+                  f"{g['trained_tokens']} |" for g in segs]
+        lines.append(f"| run ({len(segs)} segments) | {sum(len(g['steps']) for g in segs)} | "
+                     f"{_f(sum(g['seconds'] for g in segs), 1)} | "
+                     f"{sum(g['trained_tokens'] for g in segs)} |")
     return "\n".join(lines) + "\n"
+
+
+def _steps(steps: list[int]) -> str:
+    return f"{steps[0]}-{steps[-1]}" if len(steps) > 1 else _f(steps[0] if steps else None)
 
 
 def write_report(trace_path: str | Path, out_dir: str | Path) -> list[Path]:
@@ -94,6 +121,7 @@ def write_report(trace_path: str | Path, out_dir: str | Path) -> list[Path]:
         num, spans = _analyse(t)
         ts, shifts, steps = t.table("timeseries"), t.table("shifts"), t.table("steps")
         meta = t.meta
+    num["segments"] = run_segments(trace_path)
     title = num["paradigm"] or Path(trace_path).stem
     files = {name: out / name for name in (
         "summary.md", "summary.json", "timeline.perfetto.json", "allocation.png",

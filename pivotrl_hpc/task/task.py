@@ -16,11 +16,11 @@ from collections.abc import Sequence
 
 from pivotrl_hpc.config.schema import Config
 from pivotrl_hpc.task import data as D
-from pivotrl_hpc.task.errors import TaskError
+from pivotrl_hpc.task.errors import RewardFunctionError, TaskError
 from pivotrl_hpc.task.judge import FAMILIES, ParseRule, check_rule, fill, parse_judgement, \
     template_text
 from pivotrl_hpc.task.prompts import ChatRenderer
-from pivotrl_hpc.task.rewards import load_scorer
+from pivotrl_hpc.task.rewards import Verdict, load_scorer
 from pivotrl_hpc.task.types import PromptData, Score
 
 log = logging.getLogger(__name__)
@@ -51,6 +51,7 @@ class RLTask:
         self.records: dict[int, D.Record] = {}
         self._texts: OrderedDict[tuple[int, ...], str] = OrderedDict()   # text(): ids -> text
         self.filtered: dict[str, int] = {}      # split -> overlong prompts dropped
+        self.reward_errors = 0   # responses the reward function raised on (on_error: default)
         self.opens_thinking = self.genrm.text(
             [{"role": "user", "content": "x"}]).rstrip().endswith("<think>")
         self.judge_overhead = len(self.genrm.ids([{"role": "user", "content": fill(
@@ -178,9 +179,23 @@ class RLTask:
             self.template, rec.problem, response, rec.answer)}])
 
     def verdict(self, prompt: PromptData, response_ids: Sequence[int]):
+        """The verifiable reward of a response. The user's function raising: a
+        RewardFunctionError naming it, the prompt and its data source, or with
+        `reward.on_error: default` the default score (logged, counted in `reward_errors`)."""
         rec = self.records[prompt.pid]
-        return self.scorer(rec.data_source, self.text(response_ids), rec.answer,
-                           rec.extra_info)
+        try:
+            return self.scorer(rec.data_source, self.text(response_ids), rec.answer,
+                               rec.extra_info)
+        except Exception as e:   # the user's function may raise anything
+            r = self.cfg.reward
+            what = (f"the reward function {r.verifiable} raised {type(e).__name__}: {e} on "
+                    f"prompt {prompt.pid} (data_source {rec.data_source!r})")
+            if r.on_error != "default":
+                raise RewardFunctionError(f"{what}; reward.on_error=default scores such a "
+                                          f"response reward.verifiable_default") from e
+            self.reward_errors += 1
+            log.warning("%s: scored %s (reward.on_error=default)", what, r.verifiable_default)
+            return Verdict(r.verifiable_default, False)
 
     def correct(self, prompt: PromptData, response_ids: Sequence[int]) -> bool:
         return self.verdict(prompt, response_ids).correct

@@ -20,6 +20,8 @@ from typing import Any
 
 from .tensorboard import tensorboard_dir
 
+from pivotrl_hpc.checkpoint.layout import base_trace
+
 from pivotrl_hpc import envs
 
 log = logging.getLogger(__name__)
@@ -64,8 +66,12 @@ class WandbLogger:
         config = meta.get("config") or {}
         self.samples_each = int(config.get("rl", {}).get("eval_samples", 1))
         folder = Path(trace_path).parent
-        self.run = wandb.init(project=envs.WANDB_PROJECT.get(),
-                              name=Path(trace_path).stem, dir=str(folder), config=config)
+        # every segment of a run logs to one wandb run: the run's id (controller.live.run_id)
+        run_id = meta.get("run_id") or None
+        self.run = wandb.init(project=envs.WANDB_PROJECT.get(), id=run_id,
+                              resume="allow" if run_id else None,
+                              name=base_trace(Path(trace_path)).stem, dir=str(folder),
+                              config=config)
         self.run.define_metric("training/global_step")
         self.run.define_metric("*", step_metric="training/global_step")
         self.rows: list[list[Any]] = []

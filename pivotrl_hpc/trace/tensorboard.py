@@ -116,5 +116,9 @@ class EventWriter:
 
 
 def tensorboard_dir(trace_path: str | os.PathLike, enabled: bool) -> Path | None:
-    """Where a run's event files go (`trace.tensorboard: true`): beside its trace."""
-    return Path(trace_path).with_suffix(".tensorboard") if enabled else None
+    """Where a run's event files go (`trace.tensorboard: true`): beside its first trace,
+    one folder for every segment of the run (x.seg2.h5 -> x.tensorboard/, an event file of
+    its own in it), whose steps continue the earlier segments'."""
+    from pivotrl_hpc.checkpoint.layout import base_trace
+
+    return base_trace(Path(trace_path)).with_suffix(".tensorboard") if enabled else None
