@@ -12,6 +12,10 @@ file's metadata, so reading one is parsing, never executing. Tags keep what JSON
 
 Tensors sharing a storage are written once each (safetensors refuses shared memory); the
 same tensor object twice is written once and read back as one.
+
+Reading is total: whatever the file holds (a planted or damaged one, JSON nested thousands
+deep, a tag of the wrong shape, an unhashable dict key), `load` returns the tree or raises
+`TreeFileError` (a CheckpointError), never anything else; nesting is bounded (MAX_DEPTH).
 """
 from __future__ import annotations
 
@@ -20,13 +24,15 @@ import math
 from pathlib import Path
 from typing import Any
 
+from pivotrl_hpc.checkpoint.layout import CheckpointError
+
 TREE_KEY = "pivotrl_tree"
 FORMAT_KEY = "pivotrl_format"
 FORMAT = "pivotrl-tree/1"
 MAX_DEPTH = 64
 
 
-class TreeFileError(ValueError):
+class TreeFileError(CheckpointError):
     """A tree file that is not one this module wrote (or was altered)."""
 
 
@@ -54,10 +60,11 @@ def load(path: str | Path, device: Any = "cpu") -> Any:
             names = set(f.keys())
             tree = json.loads(meta[TREE_KEY])
             tensors = {n: f.get_tensor(n) for n in names}
-    except (SafetensorError, OSError, ValueError) as e:
-        if isinstance(e, TreeFileError):
-            raise
-        raise TreeFileError(f"{path}: unreadable ({e})") from None
+    except TreeFileError:
+        raise
+    except (SafetensorError, OSError, ValueError, TypeError, RecursionError) as e:
+        raise TreeFileError(f"{path}: unreadable ({type(e).__name__}: {str(e)[:200]})") \
+            from None
     return _decode(tree, tensors, str(path), 0)
 
 
@@ -115,8 +122,15 @@ def _decode(node: Any, tensors: dict, where: str, depth: int) -> Any:
         out = {}
         for k, v in body:
             key = _decode(k, tensors, where, depth + 1)
-            if not isinstance(key, (str, int, float, bool, tuple, type(None))):
+            if not _hashable(key):
                 raise TreeFileError(f"{where}: a dict key of type {type(key).__name__}")
             out[key] = _decode(v, tensors, where, depth + 1)
         return out
     raise TreeFileError(f"{where}: malformed node {str(node)[:80]}")
+
+
+def _hashable(key: Any) -> bool:
+    """A dict key a state dict can have: a JSON scalar or a tuple of them (nested)."""
+    if isinstance(key, tuple):
+        return all(_hashable(k) for k in key)
+    return key is None or isinstance(key, (str, int, float, bool))

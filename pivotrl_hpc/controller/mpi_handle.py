@@ -32,7 +32,8 @@ class MPIInbox:
 
         status = MPI.Status()
         while True:
-            got, reply = mpi.try_recv(self.comm, WORKER_WIRE, MPI.ANY_SOURCE, TAG_REPLY, status)
+            got, reply = mpi.try_recv(self.comm, WORKER_WIRE, MPI.ANY_SOURCE, TAG_REPLY, status,
+                                      expect=Reply)
             if not got:
                 break
             self._boxes[status.Get_source()].append(reply)

@@ -31,16 +31,17 @@ def isend(comm, codec: Codec, message: Any, dest: int, tag: int):
     return comm.Isend([codec.encode(message), MPI.BYTE], dest=dest, tag=tag)
 
 
-def recv(comm, codec: Codec, source: int, tag: int, status=None) -> Any:
+def recv(comm, codec: Codec, source: int, tag: int, status=None, expect: Any = None) -> Any:
     """Block for the next message from `source` (or MPI.ANY_SOURCE) on `tag`; `status`, if
-    given, gets its source."""
+    given, gets its source. `expect`: the type (or union) it must be (`Codec.decode`)."""
     from mpi4py import MPI
 
     status = MPI.Status() if status is None else status
-    return _receive(comm.Mprobe(source=source, tag=tag, status=status), codec, status)
+    return _receive(comm.Mprobe(source=source, tag=tag, status=status), codec, status, expect)
 
 
-def try_recv(comm, codec: Codec, source: int, tag: int, status=None) -> tuple[bool, Any]:
+def try_recv(comm, codec: Codec, source: int, tag: int, status=None,
+             expect: Any = None) -> tuple[bool, Any]:
     """(True, message) when one is waiting, else (False, None): never blocks."""
     from mpi4py import MPI
 
@@ -48,17 +49,17 @@ def try_recv(comm, codec: Codec, source: int, tag: int, status=None) -> tuple[bo
     handle = comm.Improbe(source=source, tag=tag, status=status)
     if handle is None:
         return False, None
-    return True, _receive(handle, codec, status)
+    return True, _receive(handle, codec, status, expect)
 
 
-def _receive(handle, codec: Codec, status) -> Any:
+def _receive(handle, codec: Codec, status, expect: Any = None) -> Any:
     """Receive the message a matched probe found: no other receive of this rank (another
     thread's) can take it in between."""
     from mpi4py import MPI
 
     buf = bytearray(status.Get_count(MPI.BYTE))
     handle.Recv([buf, MPI.BYTE])
-    return codec.decode(buf)
+    return codec.decode(buf, expect)
 
 
 def bcast(comm, codec: Codec, message: Any, root: int) -> Any:

@@ -22,7 +22,7 @@ def serve(comm, worker: DeviceWorker, controller: int = 0) -> int:
     """Answer commands from `controller` until Shutdown; return the number handled."""
     handled = 0
     while True:
-        cmd = mpi.recv(comm, WORKER_WIRE, controller, TAG_COMMAND)
+        cmd = mpi.recv(comm, WORKER_WIRE, controller, TAG_COMMAND, expect=Command)
         send_reply(comm, worker.handle(cmd), controller)
         handled += 1
         if isinstance(cmd, Shutdown):
@@ -60,7 +60,8 @@ class WorkerClient:
         # polled with naps, as the controller's handles wait: Open MPI busy-polls a blocking
         # receive on a core (~9 CPU-s while a killed worker's job waits for mpirun's SIGKILL)
         while True:
-            got, reply = mpi.try_recv(self.comm, WORKER_WIRE, self.rank, TAG_REPLY)
+            got, reply = mpi.try_recv(self.comm, WORKER_WIRE, self.rank, TAG_REPLY,
+                                      expect=Reply)
             if got:
                 return reply
             time.sleep(REPLY_NAP_S)
