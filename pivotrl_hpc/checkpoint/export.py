@@ -37,7 +37,7 @@ def export(where: str | Path, out: str | Path, force: bool = False) -> dict[str,
     for f in tmp.iterdir():   # the checkpoint's are the user's alone
         f.chmod(0o644)
     tmp.chmod(0o755)
-    out.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    out.parent.mkdir(mode=0o755, parents=True, exist_ok=True)   # an export is published
     if out.exists():
         out.rmdir()
     tmp.rename(out)
