@@ -286,7 +286,8 @@ class TraceConfig:
     # (`pivotrl trace samples RUN`): "all", "none", or N per step (and per evaluation)
     samples: int | str = 4
     # the run folder (the trace's, its .logs and .checkpoints) may be group-writable: an
-    # explicit opt-in for a folder a group shares on purpose (docs/security.md, issue 46)
+    # explicit opt-in for a folder a group shares on purpose (docs/security.md, issue 46);
+    # the run's files are then 0640 and its folders 0750 (else 0600 and 0700), any umask
     group_shared: bool = False
 
 
