@@ -116,7 +116,12 @@ UNEXPLAINED: dict[str, str] = {
         "medians (5,000 / 650 tokens), or the group ran about that many more prompts a "
         "step; a step is bounded by its longest response -> judgement chain, which no factor "
         "inside the limits shortens enough. The paper gives neither length nor batch; a "
-        "per-group workload would be a per-group assumption, not a fit"),
+        "per-group workload would be a per-group assumption, not a fit. Since found: part "
+        "of colocated's step was a defect, every added prompt's prefill charged at "
+        "admission on the first replica up (2 paper-length steps: 313.7 -> 233.8 s a step "
+        "once fixed); the rest is the 15K -> 20K chain (~216 s), above the bar's 145 s at 32 "
+        "prompts, below its 430 s at the 96 the paper's timelines imply; this fit predates "
+        "both (docs/calibration.md)"),
     "qwen2.5-7b_qwen3-30b-a3b": (
         "assumption: disaggregated runs faster here than the paper's bar (203 s a step at "
         "the best point, paced by its reward pool, training 77 s on its 8 GPUs; the bar "
