@@ -381,6 +381,8 @@ def test_the_manifest_names_what_changed_and_refuses_what_others_could_write(tin
                  r"state.json: a symlink"),
         "fifo": (lambda c: [(c / layout.STATE).unlink(), os.mkfifo(c / layout.STATE)],
                  r"state.json: not a regular file"),
+        "mark": (lambda c: (c / layout.MARK).write_text('{"files": {"state.json": 1}}'),
+                 r"COMPLETE: not a pivotrl-manifest/1 manifest"),
         "mode": (lambda c: os.chmod(c / "policy", 0o770),
                  r"policy: a folder with mode 770, writable by its group: .* chmod -R go-w"),
     }

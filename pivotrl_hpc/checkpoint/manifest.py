@@ -115,36 +115,6 @@ def _tensor_spans(f, size: int) -> tuple[int, list[tuple[int, int, str]]] | None
 
 
 # ---- the files of a checkpoint ----------------------------------------------------------------
-def _files(dir_fd: int, where: Path, prefix: str = "", depth: int = 0) -> dict[str, int]:
-    """Every file below `dir_fd` (relative name -> open descriptor), each level opened without
-    following links; each must be a regular file or folder of this user writable by no one
-    else (`_check_mode`). The caller closes the descriptors."""
-    if depth > MAX_DEPTH:
-        raise ManifestError(f"{where / prefix}: folders nested deeper than {MAX_DEPTH}")
-    out: dict[str, int] = {}
-    try:
-        for name in sorted(os.listdir(dir_fd)):
-            rel = prefix + name
-            _check_mode(where, rel, os.stat(name, dir_fd=dir_fd, follow_symlinks=False))
-            fd = os.open(name, _FILE, dir_fd=dir_fd)   # ELOOP: a link swapped in meanwhile
-            try:
-                st = os.fstat(fd)
-                _check_mode(where, rel, st)
-                if stat.S_ISDIR(st.st_mode):
-                    out.update(_files(fd, where, rel + "/", depth + 1))
-                    os.close(fd)
-                else:
-                    out[rel] = fd
-            except BaseException:
-                os.close(fd)
-                raise
-    except BaseException:
-        for fd in out.values():
-            os.close(fd)
-        raise
-    return out
-
-
 def _check_mode(where: Path, rel: str, st: os.stat_result) -> None:
     """A file or folder `rel` of checkpoint `where` that only this user can have written."""
     path = where / rel
@@ -165,17 +135,70 @@ def _check_mode(where: Path, rel: str, st: os.stat_result) -> None:
                             "else resume=PATH of another checkpoint or resume=false")
 
 
-def _open_checkpoint(folder: Path) -> int:
-    try:
-        fd = os.open(folder, _DIR)
-    except OSError as e:
-        raise ManifestError(f"{folder}: not a checkpoint folder ({e.strerror})") from None
-    try:
-        _check_mode(folder, "", os.fstat(fd))
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+class _Files:
+    """The files of checkpoint `folder` (relative name -> where): every level opened without
+    following links and checked (`_check_mode`); a file is opened, and checked again, only
+    when it is hashed, so a checkpoint of any number of ranks holds a few descriptors."""
+
+    def __init__(self, folder: Path):
+        self.folder, self.dirs, self.where = folder, [], {}
+        try:
+            fd = os.open(folder, _DIR)
+        except OSError as e:
+            raise ManifestError(f"{folder}: not a checkpoint folder ({e.strerror})") from None
+        self.dirs.append(fd)
+        try:
+            _check_mode(folder, "", os.fstat(fd))
+            self._walk(fd, "", 0)
+        except BaseException:
+            self.close()
+            raise
+
+    def _walk(self, dir_fd: int, prefix: str, depth: int) -> None:
+        if depth > MAX_DEPTH:
+            raise ManifestError(f"{self.folder / prefix}: folders nested deeper than "
+                                f"{MAX_DEPTH}")
+        for name in sorted(os.listdir(dir_fd)):
+            rel = prefix + name
+            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            _check_mode(self.folder, rel, st)
+            if stat.S_ISDIR(st.st_mode):
+                sub = os.open(name, _DIR, dir_fd=dir_fd)   # ELOOP: a link swapped in
+                self.dirs.append(sub)
+                _check_mode(self.folder, rel, os.fstat(sub))
+                self._walk(sub, rel + "/", depth + 1)
+            else:
+                self.where[rel] = (dir_fd, name)
+
+    def open(self, rel: str) -> int:
+        dir_fd, name = self.where[rel]
+        fd = os.open(name, _FILE, dir_fd=dir_fd)
+        try:
+            st = os.fstat(fd)
+            _check_mode(self.folder, rel, st)
+            if not stat.S_ISREG(st.st_mode):
+                raise ManifestError(f"{self.folder / rel}: became a folder while read")
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def entry(self, rel: str, given: Entry | None = None, sync: bool = False) -> Entry:
+        """Its manifest entry: `given` when its size is the file's, else hashed here."""
+        fd = self.open(rel)
+        try:
+            if sync:
+                os.fsync(fd)
+            if given is not None and given.get("bytes") == os.fstat(fd).st_size:
+                return given
+            return digest(fd)
+        finally:
+            os.close(fd)
+
+    def close(self) -> None:
+        for fd in self.dirs:
+            os.close(fd)
+        self.dirs = []
 
 
 def build(folder: Path, given: dict[str, Entry] | None = None) -> dict[str, Any]:
@@ -183,26 +206,14 @@ def build(folder: Path, given: dict[str, Entry] | None = None) -> dict[str, Any]
     entries the ranks sent in `given` (their size checked), the other files hashed here;
     every file fsynced."""
     given = given or {}
-    dir_fd = _open_checkpoint(folder)
+    files = _Files(folder)
     try:
-        files = _files(dir_fd, folder)
+        names = [rel for rel in files.where if rel != MARK]
+        with ThreadPoolExecutor(_threads(len(names))) as pool:
+            entries = dict(zip(names, pool.map(
+                lambda rel: files.entry(rel, given.get(rel), sync=True), names)))
     finally:
-        os.close(dir_fd)
-    try:
-        def entry(rel: str) -> Entry:
-            fd = files[rel]
-            os.fsync(fd)
-            e = given.get(rel)
-            if e is not None and e.get("bytes") == os.fstat(fd).st_size:
-                return e
-            return digest(fd)
-
-        with ThreadPoolExecutor(_threads(len(files))) as pool:
-            entries = dict(zip(files, pool.map(entry, files)))
-    finally:
-        for fd in files.values():
-            os.close(fd)
-    entries.pop(MARK, None)
+        files.close()
     return {"format": FORMAT, "files": entries}
 
 
@@ -224,30 +235,25 @@ def verify(folder: str | os.PathLike) -> int:
     """Check the whole checkpoint `folder` against its manifest (module docstring); returns
     the bytes hashed. ManifestError naming the first file (and tensor) that differs."""
     folder = Path(folder)
-    dir_fd = _open_checkpoint(folder)
+    files = _Files(folder)
     try:
-        files = _files(dir_fd, folder)
-    finally:
-        os.close(dir_fd)
-    try:
-        manifest = _read_manifest(folder, files.get(MARK))
+        manifest = _read_manifest(folder, files)
         if manifest is None:
             log.warning("%s has no manifest of its files (written before checkpoints had "
                         "one); resuming from it: every file is this user's and writable by no "
                         "one else", folder)
             return 0
         want: dict[str, Entry] = manifest["files"]
-        got = set(files) - {MARK}
+        got = set(files.where) - {MARK}
         if missing := sorted(set(want) - got):
             raise ManifestError(f"{folder}: {missing[0]} is missing (the manifest lists it)")
         if extra := sorted(got - set(want)):
             raise ManifestError(f"{folder}: {extra[0]} is not in the manifest (added after "
                                 "the checkpoint was written)")
         with ThreadPoolExecutor(_threads(len(want))) as pool:
-            found = dict(zip(want, pool.map(lambda rel: digest(files[rel]), want)))
+            found = dict(zip(want, pool.map(files.entry, want)))
     finally:
-        for fd in files.values():
-            os.close(fd)
+        files.close()
     for rel in want:
         if (why := _differs(want[rel], found[rel])) is not None:
             raise ManifestError(f"{folder / rel} changed since the checkpoint was written: "
@@ -256,10 +262,11 @@ def verify(folder: str | os.PathLike) -> int:
     return sum(e["bytes"] for e in found.values())
 
 
-def _read_manifest(folder: Path, fd: int | None) -> dict[str, Any] | None:
-    if fd is None:
+def _read_manifest(folder: Path, files: _Files) -> dict[str, Any] | None:
+    """COMPLETE's manifest; None for an empty one (a checkpoint of an older pivotrl)."""
+    if MARK not in files.where:
         raise ManifestError(f"{folder}: no {MARK} (not a whole checkpoint)")
-    with os.fdopen(os.dup(fd), "rb") as f:
+    with os.fdopen(files.open(MARK), "rb") as f:
         raw = f.read(MAX_HEADER + 1)
     if not raw.strip():
         return None
@@ -269,7 +276,9 @@ def _read_manifest(folder: Path, fd: int | None) -> dict[str, Any] | None:
         manifest = None
     if not (isinstance(manifest, dict) and manifest.get("format") == FORMAT
             and isinstance(manifest.get("files"), dict)
-            and all(isinstance(e, dict) for e in manifest["files"].values())):
+            and all(isinstance(e, dict) and type(e.get("bytes")) is int
+                    and isinstance(e.get("tensors", {}), dict)
+                    for e in manifest["files"].values())):
         raise ManifestError(f"{folder / MARK}: not a {FORMAT} manifest")
     return manifest
 
@@ -280,7 +289,7 @@ def _differs(want: Entry, got: Entry) -> str | None:
         return None
     if want.get("bytes") != got.get("bytes"):
         return f"{got.get('bytes')} bytes, the manifest says {want.get('bytes')}"
-    if "tensors" not in want or "tensors" not in got or want["header"] != got["header"]:
+    if "tensors" not in want or "tensors" not in got or want.get("header") != got["header"]:
         return "its bytes differ" if "tensors" not in want else \
             "its safetensors header (names, shapes or offsets) differs"
     changed = [n for n in want["tensors"] if want["tensors"][n] != got["tensors"].get(n)]
