@@ -154,3 +154,25 @@ def test_submit_refuses_without_slurm_as_the_cli_does(monkeypatch, tmp_path):
         pivotrl_hpc.submit(ROOT / "configs" / "tiny-cpu.yaml", check=False,
                            runs_root=tmp_path / "runs")
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_slurm_jobs_preflight_does_not_resume_the_local_trace_path(tiny_models, tmp_path):
+    """Under Slurm a job writes runs/<name>-<id>/: a checkpoint of another config at the
+    local trace.path is not its own, so only `pivotrl run`'s preflight refuses it."""
+    from pivotrl_hpc.checkpoint import layout, writer
+    from pivotrl_hpc.config import ConfigError, load_config
+    from pivotrl_hpc.launch.preflight import preflight, preflight_slurm
+
+    trace = tmp_path / "out" / "x.h5"
+    tmp = writer.staging(layout.root_for(trace), 2)
+    (tmp / layout.POLICY).mkdir()
+    writer.write_state(tmp, {"step": 2, "version": 2, "fixed": {"rl.batch_size": 99}})
+    writer.commit(tmp, keep=2)
+    cfg = load_config(ROOT / "configs" / "tiny-cpu.yaml",
+                      [*model_overrides(tiny_models), f"trace.path={trace}"])
+    with pytest.raises(ConfigError, match="made with rl.batch_size=99"):
+        preflight(cfg)
+    preflight_slurm(cfg)                                  # a new job's folder is its own
+    cfg.resume = str(trace)                               # resume=PATH: still checked
+    with pytest.raises(ConfigError, match="made with rl.batch_size=99"):
+        preflight_slurm(cfg)

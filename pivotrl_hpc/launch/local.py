@@ -218,8 +218,10 @@ def launch(run: PreparedRun, *, grace_s: float = 30.0) -> int:
         os.close(err)
         cleanup(run)
     if forwarder.signum is not None:
-        print(f"pivotrl run: stopped by {signal.Signals(forwarder.signum).name}; trace "
-              f"{run.paths.trace}, logs {run.paths.logs}", file=sys.stderr)
+        when = " during start-up" if forwarder.during_startup else ""
+        trace = f"trace {run.paths.trace}, " if run.paths.trace.exists() else ""
+        print(f"pivotrl run: stopped by {signal.Signals(forwarder.signum).name}{when}; "
+              f"{trace}logs {run.paths.logs}", file=sys.stderr)
         return 128 + forwarder.signum
     if proc.returncode == 0:
         print(f"summary: {run.paths.summary_json}" if run.paths.summary_json.is_file()
@@ -273,6 +275,7 @@ class SignalForwarder:
         self.signum: int | None = None
         self.deadline: float | None = None
         self.first_at = 0.0
+        self.during_startup: bool | None = None   # judged once, at the first tick after it
         self._old: dict[int, object] = {}
 
     def started(self, proc: subprocess.Popen) -> None:
@@ -308,16 +311,44 @@ class SignalForwarder:
             _signal(self.proc.pid, signal.SIGTERM)
 
     def tick(self) -> None:
+        if self.deadline is not None and self.during_startup is None:
+            # no step trained yet: nothing to keep, so the job ends in seconds, quietly
+            # (ranks building engines would only time out one by one)
+            self.during_startup = starting(self.run.paths.trace)
+            if self.during_startup:
+                self.deadline = min(self.deadline, self.first_at + STARTUP_STOP_S)
         if self.deadline is not None and time.monotonic() > self.deadline:
-            self.kill(f"ranks still alive {self.grace_s:.0f} s after the stop signal")
+            self.kill(None if self.during_startup else
+                      f"ranks still alive {self.grace_s:.0f} s after the stop signal")
             self.deadline = None
 
-    def kill(self, why: str) -> None:
-        print(f"pivotrl run: killing the job ({why})", file=sys.stderr)
+    def kill(self, why: str | None) -> None:
+        if why is not None:
+            print(f"pivotrl run: killing the job ({why})", file=sys.stderr)
         for pid in rank_pids(self.run):
             _signal(pid, signal.SIGKILL)
         if self.proc is not None:
             _signal(self.proc.pid, signal.SIGKILL)
+
+
+STARTUP_STOP_S = 3.0   # a stop before the first trained step: the ranks' time to go
+
+
+def starting(trace: Path) -> bool:
+    """Whether the job is still starting (engines building, nothing to keep): no trace
+    segment yet, or the newest one a trace without a trained step. A file that is no
+    readable trace (a test's controller writes text) counts as started: the orderly stop."""
+    from pivotrl_hpc.checkpoint.layout import segments
+
+    found = segments(trace)
+    if not found:
+        return True
+    try:
+        from pivotrl_hpc.trace import open_trace
+        with open_trace(str(found[-1])) as t:
+            return t.rows("steps") == 0
+    except (OSError, KeyError, ValueError):
+        return False
 
 
 def _signal(pid: int, sig: int) -> None:

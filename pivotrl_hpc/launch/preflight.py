@@ -18,6 +18,17 @@ def preflight(cfg: Config) -> None:
     check_task(cfg)
 
 
+def preflight_slurm(cfg: Config) -> None:
+    """`preflight` for a Slurm job: it writes into its own run folder, runs/<name>-<id>/,
+    not the config's trace.path (only the trace's file name is kept), so `resume=auto` has
+    nothing of the local trace.path to check there; a `resume=PATH` still is checked."""
+    from dataclasses import replace
+
+    from pivotrl_hpc.config.schema import names_a_path
+
+    preflight(cfg if names_a_path(cfg.resume) else replace(cfg, resume=False))
+
+
 def load_checked(path: str | Path | None, overrides: list[str] = ()) -> Config:
     """`load_config` with its file checks, then `preflight`."""
     cfg = load_config(path, list(overrides))

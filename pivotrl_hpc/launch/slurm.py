@@ -373,11 +373,11 @@ def cleanup(run: PreparedRun, failed: bool) -> None:
 def load_for(alloc: Allocation, config: str | Path, overrides) -> Config:
     """The config checked against the allocation first (a moment), then by the preflight
     (~3.6 CPU-s: it builds the RL task): a wrong allocation is refused before that work."""
-    from pivotrl_hpc.launch.preflight import preflight
+    from pivotrl_hpc.launch.preflight import preflight_slurm
 
     cfg = load_config(config, absolute_resume(overrides, alloc.submit_dir))
     check_allocation(cfg, alloc)         # cfg.cluster only, which normalize keeps
-    preflight(cfg)
+    preflight_slurm(cfg)   # its run folder is runs/<name>-<id>/, not the local trace.path
     return cfg
 
 

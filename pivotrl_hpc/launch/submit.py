@@ -50,9 +50,11 @@ def submit(config: str | Path, overrides: Sequence[str] = (), *, nodes: int | No
     overrides = absolute_resume(overrides, Path.cwd())
     asked = time_min = slurm_options.pop("time", None)
     if check:
-        from pivotrl_hpc.launch.preflight import load_checked
+        from pivotrl_hpc.config import load_config
+        from pivotrl_hpc.launch.preflight import preflight_slurm
         from pivotrl_hpc.launch.partition import check_request, default_time, query
-        cfg = load_checked(config, list(overrides))
+        cfg = load_config(config, list(overrides))
+        preflight_slurm(cfg)
         nodes = nodes or cfg.cluster.nodes
         gpus_per_node = gpus_per_node or cfg.cluster.devices_per_node
         _check_request(cfg, nodes, gpus_per_node)
