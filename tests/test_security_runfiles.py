@@ -273,7 +273,7 @@ def test_the_writers_set_their_modes_whatever_the_umask(tmp_path, umask, shared)
 
 # ---- a live job in a group-shared folder ---------------------------------------------------
 PLANT_RUN_LINKS = r"""
-import os, sys, time
+import fcntl, os, stat, sys, time
 out, victims, ranks = sys.argv[1], sys.argv[2], int(sys.argv[3])
 logs = os.path.join(out, "job.logs")
 names = [os.path.join(out, n) for n in ("job.h5", "job.summary.json")]
@@ -290,7 +290,19 @@ for i, name in enumerate(names):
     except FileExistsError:
         pass
 os.mkfifo(os.path.join(logs, "checkpoint.request"), 0o666)
-print(planted, len(names))
+print(planted, len(names), flush=True)
+trace = os.path.join(out, "job.h5")   # the running job's trace, once it is its (0640) file
+while time.time() < deadline:
+    try:
+        if stat.S_ISREG(os.lstat(trace).st_mode):
+            fd = os.open(trace, os.O_RDONLY)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            print("locked", time.time(), flush=True)
+            break
+    except FileNotFoundError:
+        pass
+    time.sleep(0.002)
+sys.stdin.read()                      # held until the job has ended
 """
 
 
@@ -299,7 +311,9 @@ def test_a_live_job_in_a_group_shared_folder_writes_through_no_planted_link(top,
     """`trace.group_shared`, umask 002, a logs folder its group may write (2770, as an earlier
     start under umask 002 left it): `nobody`, a member, plants links to the user's 0600 files
     for the trace, the summary, mpirun.log and every rank's pid and log file as soon as the
-    launcher has written the config, and a FIFO as the checkpoint request. The job ends 0;
+    launcher has written the config, and a FIFO as the checkpoint request; then, as a
+    member of the group, it holds an exclusive flock on the running job's trace (0640) from
+    the moment the trace is in place to the job's end. The job ends 0;
     every victim is intact; every run file is a regular file of mode 0640, TensorBoard's
     folder 2750 (the set-group-ID bit of the shared folder kept); the FIFO was removed, not
     read."""
@@ -323,11 +337,16 @@ def test_a_live_job_in_a_group_shared_folder_writes_through_no_planted_link(top,
                         "trace.tensorboard=true", "rl.steps=2"],
                        capture_output=True, text=True, timeout=900, cwd=root, umask=0o002,
                        env={**os.environ, "UCX_MODULES": "^ib,rdmacm"})
-    planted, wanted = map(int, planter.communicate(timeout=60)[0].split())
+    ended = time.time()
+    said = planter.communicate(timeout=60)[0].split("\n")
+    planted, wanted = map(int, said[0].split())
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
     assert planted >= wanted - 1      # mpirun.log may be made before nobody sees the config
-    changed = [v.name for v in sorted(victims.iterdir()) if v.read_text() != f"keep {v.name[1:]}\n"]
+    changed = [v.name for v in sorted(victims.iterdir())
+               if v.read_bytes() != f"keep {v.name[1:]}\n".encode()]
     assert changed == []
+    locked = float(said[1].split()[1])   # nobody's exclusive lock on the running job's trace
+    assert locked < ended - 10, (locked, ended)
     logs = out / "job.logs"
     files = [out / "job.h5", out / "job.summary.json", out / "job.config.json",
              logs / "mpirun.log", *(logs / f"rank-{r}.{x}" for r in range(ranks)
