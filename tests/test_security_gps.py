@@ -9,6 +9,9 @@ library only) against root's GPS agent, client, folder and Slurm epilog.
 - The epilog cannot be made to create a file through a folder swapped for a symlink.
 - A folder squatted by another account: one line naming the owner and the fix, exit 2, and
   nothing inside it is swept.
+- A folder name taken after the user's job (issue 55): a fresh name is drawn and recorded
+  (processes starting at once agree on one), `gps serve` and `pivotrl run` go on, and no
+  cleanup removes a folder of another account.
 """
 from __future__ import annotations
 
@@ -335,5 +338,194 @@ def test_a_squatted_folder_name_neither_stops_gps_serve_nor_is_used(tiny_models)
         assert [Path(f).read_bytes() for f in planted[1::2]] == before
         for d, f in zip(planted[::2], planted[1::2]):
             assert os.listdir(d) == [Path(f).name] and os.lstat(d).st_uid == NOBODY
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+# ---- a GPS folder name taken after the user's job: a fresh name, never a refusal ------------
+def _own_state(tmp_path: Path, shm: Path) -> dict:
+    """The user's record of its folder name in a home of the test's (the real one is left
+    alone: other jobs of root use it meanwhile), the shm root a shared sticky one."""
+    return {"PIVOTRL_SHM_DIR": str(shm), "XDG_STATE_HOME": str(tmp_path / "state")}
+
+
+def _renewed(tmp_path: Path, shm: Path) -> str:
+    """The suffix recorded for the user's folder under `shm` after a renewal there."""
+    sha = hashlib.sha256(str(shm).encode()).hexdigest()[:16]
+    record = tmp_path / "state" / "pivotrl" / f"gps-folder.{sha}"
+    assert oct(os.stat(record).st_mode & 0o777) == "0o600"
+    return record.read_text().strip()
+
+
+def _clean_env(env: dict) -> dict:
+    """os.environ without a GPS folder published to this pytest process, and `env`."""
+    return {**{k: v for k, v in os.environ.items() if k != "PIVOTRL_GPS_DIR"}, **env}
+
+
+PROBE = ("import sys, time; from pivotrl_hpc.gps.client import GPSClient; "
+         "from pivotrl_hpc.gps import shmdir; c = GPSClient(sys.argv[1], 'n0', "
+         "wait_s=120); print(shmdir.SHM_DIR, c.info()['node'], "
+         "c.state('policy').current, flush=True); c.shutdown_agent(); c.close()")
+
+
+def _serve_once(tiny_models, job: str, env: dict) -> tuple[int, Path | None, str]:
+    """`gps serve` and a client that reads its state then stops it: (the agent's exit code,
+    the folder the client found, the agent's stderr)."""
+    agent = subprocess.Popen([sys.executable, "-m", "pivotrl_hpc.cli.main", "gps", "serve",
+                              "--job", job, "--node", "n0", "--model",
+                              f"policy={tiny_models / 'policy'}"],
+                             stderr=subprocess.PIPE, text=True, env=_clean_env(env))
+    try:
+        out = subprocess.Popen([sys.executable, "-c", PROBE, job], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, env=_clean_env(env))
+        while out.poll() is None and agent.poll() is None:
+            time.sleep(0.1)
+        if agent.poll() not in (None, 0) and out.poll() is None:   # refused: the probe
+            out.kill()                                  # waits on an agent that will not come
+        stdout, _ = out.communicate(timeout=300)
+        rc = agent.wait(120)
+        folder = Path(stdout.split()[0]) if out.returncode == 0 else None
+        if folder is not None:
+            assert stdout.split()[1:] == ["n0", "0"], stdout
+        return rc, folder, agent.stderr.read()
+    finally:
+        agent.kill()
+        agent.wait()
+
+
+def test_a_folder_name_taken_after_a_job_gets_a_fresh_one_and_is_left_alone(tiny_models,
+                                                                            tmp_path):
+    """The folder's name is in the listing of /dev/shm while the agent runs. After the job,
+    nobody makes a folder of that name, with a file inside (no cleanup of the user's can
+    remove it): the next `gps serve` (the old code: exit 2, FolderRefused, every later one
+    too) draws a fresh name, records it and serves; the squatter's folder is untouched."""
+    shm = _shared_root()
+    try:
+        env = _own_state(tmp_path, shm)
+        rc, first, err = _serve_once(tiny_models, f"sqn{os.getpid()}", env)
+        assert rc == 0 and first is not None, err[-2000:]
+        assert first.parent == shm and not first.exists()   # the last agent out removed it
+        p = _as_nobody("import os, sys; os.mkdir(sys.argv[1], 0o755); "
+                       "open(os.path.join(sys.argv[1], 'keep'), 'w').close()", str(first))
+        assert p.wait(30) == 0, p.stderr.read()
+        for k in range(2):   # the next start, and the one after it, both serve
+            rc, folder, err = _serve_once(tiny_models, f"sqn{os.getpid()}x{k}", env)
+            assert rc == 0 and folder is not None, err[-2000:]
+            assert folder.parent == shm and folder != first
+            assert folder.name == f"pivotrl-u0-{_renewed(tmp_path, shm)}"
+            assert not folder.exists()
+        assert os.lstat(first).st_uid == NOBODY and os.listdir(first) == ["keep"]
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+RACE = r"""
+import os, sys, time
+from pivotrl_hpc import envs   # the package imported; shmdir not yet
+start = float(sys.argv[1])
+while time.time() < start:
+    time.sleep(0.001)
+from pivotrl_hpc.gps import shmdir
+print(shmdir.SHM_DIR, flush=True)
+"""
+
+
+@pytest.mark.parametrize("published", [False, True])
+def test_processes_starting_at_once_on_a_taken_name_agree_on_one_fresh_one(tmp_path,
+                                                                           published):
+    """Six processes of the user (a job's agent and workers, or two jobs) find the kept name
+    taken by nobody at the same instant; `published`: the launcher's PIVOTRL_GPS_DIR names
+    it (a node where another account took it). All find the same fresh folder, drawn once
+    (one renewal under the record's lock); the old code gave all six the squatted folder."""
+    shm = _shared_root()
+    try:
+        env = _own_state(tmp_path, shm)
+        suffix = "5a" * 8
+        record = tmp_path / "state" / "pivotrl" / "gps-folder"
+        record.parent.mkdir(parents=True, mode=0o700)
+        record.write_text(suffix + "\n")
+        os.chmod(record, 0o600)
+        squatted = shm / f"pivotrl-u0-{suffix}"
+        p = _as_nobody("import os, sys; os.mkdir(sys.argv[1], 0o700)", str(squatted))
+        assert p.wait(30) == 0
+        if published:
+            env["PIVOTRL_GPS_DIR"] = str(squatted)
+        start = f"{time.time() + 8:.3f}"
+        procs = [subprocess.Popen([sys.executable, "-c", RACE, start], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True,
+                                  env=_clean_env(env)) for _ in range(6)]
+        outs = [p.communicate(timeout=120) for p in procs]
+        assert all(p.returncode == 0 for p in procs), [e[-1000:] for _, e in outs]
+        folders = {o.strip() for o, _ in outs}
+        fresh = shm / f"pivotrl-u0-{_renewed(tmp_path, shm)}"
+        assert folders == {str(fresh)} and fresh != squatted
+        assert record.read_text() == suffix + "\n"   # the user's record for other roots
+        renewals = sum("a fresh name is recorded" in e for _, e in outs)
+        assert renewals == 1, [e[-500:] for _, e in outs]
+        assert os.lstat(squatted).st_uid == NOBODY
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+SWEEP_JOB = ("import sys; from pathlib import Path; "
+             "from pivotrl_hpc.launch.local import sweep_segments; "
+             "from pivotrl_hpc.gps import shmdir; print(sweep_segments(sys.argv[1]), "
+             "shmdir.remove_if_unused(Path(sys.argv[2])))")
+
+
+def test_the_cleanup_removes_no_folder_of_another_account(tmp_path):
+    """nobody's empty folder under the user's published or kept name: the launcher's sweep
+    after a killed job and `remove_if_unused` (run by root, who may remove anything in a
+    sticky folder) leave it; the old code removed it (and the user's next start then raced
+    nobody for the name)."""
+    shm = _shared_root()
+    try:
+        env = _own_state(tmp_path, shm)
+        folder = shm / f"pivotrl-u0-{'c3' * 8}"
+        p = _as_nobody("import os, sys; os.mkdir(sys.argv[1], 0o700)", str(folder))
+        assert p.wait(30) == 0
+        assert shmdir.remove_if_unused(folder) is False
+        env["PIVOTRL_GPS_DIR"] = str(folder)
+        out = subprocess.run([sys.executable, "-c", SWEEP_JOB, f"gone{os.getpid()}",
+                              str(folder)], capture_output=True, text=True, timeout=300,
+                             env=_clean_env(env))
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert out.stdout.split() == ["[]", "False"], out.stdout
+        assert folder.is_dir() and os.lstat(folder).st_uid == NOBODY
+        mine = shm / f"pivotrl-u0-{'d4' * 8}"   # the user's own empty folder still goes
+        mine.mkdir(mode=0o700)
+        assert shmdir.remove_if_unused(mine) is True and not mine.exists()
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+@pytest.mark.live   # a real job: the suite's live phase runs it, alone
+def test_a_tiny_job_runs_while_nobody_holds_its_kept_folder_name(tiny_models, tmp_path):
+    """No job of the user runs; nobody holds a folder under the user's kept name with a
+    file inside. `pivotrl run` (a 1 x 2 job: its GPS agent, 2 workers, the test controller
+    querying every rank) ends 0 in a fresh folder (the old code: exit 1, the agent refused
+    nobody's folder); nobody's folder is untouched and nothing of the job is left."""
+    from test_launch import Job, _cfg, _env
+
+    shm = _shared_root()
+    try:
+        env = _own_state(tmp_path, shm)
+        record = tmp_path / "state" / "pivotrl" / "gps-folder"
+        record.parent.mkdir(parents=True, mode=0o700)
+        record.write_text("7e" * 8 + "\n")
+        os.chmod(record, 0o600)
+        squatted = shm / f"pivotrl-u0-{'7e' * 8}"
+        p = _as_nobody("import os, sys; os.mkdir(sys.argv[1], 0o755); "
+                       "open(os.path.join(sys.argv[1], 'keep'), 'w').close()", str(squatted))
+        assert p.wait(30) == 0
+        job = Job(_cfg(tiny_models, tmp_path, nodes=1, devices_per_node=2),
+                  _clean_env({**_env(tmp_path, "query_all"), **env}))
+        rc = job.finish(timeout=400)
+        assert rc == 0, job.stderr[-3000:]
+        fresh = shm / f"pivotrl-u0-{_renewed(tmp_path, shm)}"
+        assert fresh != squatted and not fresh.exists()   # made for the job, gone with it
+        assert "is taken by uid 65534 (nobody): a fresh name is recorded" in job.stderr
+        assert os.lstat(squatted).st_uid == NOBODY and os.listdir(squatted) == ["keep"]
+        assert [n for n in os.listdir(shm) if n.startswith("pivotrl-u0")] == [squatted.name]
     finally:
         shutil.rmtree(shm, ignore_errors=True)

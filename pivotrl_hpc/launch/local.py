@@ -179,6 +179,16 @@ def write_files(run: PreparedRun) -> None:
                json.dumps(run.config, indent=1) + "\n", shared)
 
 
+def hold_gps_folder() -> int:
+    """The user's GPS folder, as published to the ranks, made and held (a shared flock) by the
+    launcher while the job runs: the last agent of another job of the user cannot remove it
+    (freeing its name for another account to take) before this job's agents hold it."""
+    try:
+        return shmdir.hold()
+    except shmdir.FolderRefused as e:
+        raise LaunchError(str(e)) from None
+
+
 def preempt_grace(run: PreparedRun) -> float:
     return float(run.config.get("rl", {}).get("preempt_grace_s", 0.0))
 
@@ -187,6 +197,7 @@ def launch(run: PreparedRun, *, grace_s: float = 30.0) -> int:
     """Run the job; return 0, 128+signal when stopped by a signal, 1 when it failed."""
     write_files(run)
     log.info("run %s: %d ranks, logs in %s", run.job, run.layout.world_size, run.paths.logs)
+    gps = hold_gps_folder()
     forwarder = SignalForwarder(run, stop_grace(grace_s, preempt_grace(run), 20.0))
     forwarder.install()
     try:
@@ -217,6 +228,7 @@ def launch(run: PreparedRun, *, grace_s: float = 30.0) -> int:
         stderr.join()
         os.close(err)
         cleanup(run)
+        shmdir.release(gps)   # the folder too, once no agent holds it
     if forwarder.signum is not None:
         when = " during start-up" if forwarder.during_startup else ""
         trace = f"trace {run.paths.trace}, " if run.paths.trace.exists() else ""

@@ -37,6 +37,7 @@ from pivotrl_hpc.checkpoint.layout import REQUEUE_FILE, latest, root_for
 from pivotrl_hpc.config import Config, load_config
 from pivotrl_hpc.config.paradigm import normalize
 from pivotrl_hpc.config.validate import check_cpu_shares
+from pivotrl_hpc.gps import shmdir
 from pivotrl_hpc.runtime import cgroup
 from pivotrl_hpc.terminal import safe_logs
 from pivotrl_hpc.launch.diagnose import BAD_INPUT, bad_input, diagnose, job_exit_code
@@ -46,6 +47,7 @@ from pivotrl_hpc.launch import mpi_private
 from pivotrl_hpc.launch.local import (PreparedRun, StderrFollower, check_mpi, free_port_base,
                                       group_shared, preempt_grace, resolved_config, sweep_segments,
                                       write_files)
+from pivotrl_hpc.launch.local import hold_gps_folder
 from pivotrl_hpc.launch.resume import (absolute_resume, continue_in, driving, earlier_runs,
                                        request_checkpoint, requeueable, stop_grace)
 
@@ -190,6 +192,7 @@ def prepare(cfg, alloc: Allocation, *, root: str | Path | None = None,
             warnings.append(note)
     config, paths = resolved_config(cfg, trace)
     run_env = {envs.PORT_BASE.name: str(free_port_base(job_ports(len(layout.devices)))),
+               envs.GPS_DIR.name: str(shmdir.SHM_DIR),   # one folder name on every node
                "OMP_NUM_THREADS": envs.OMP_NUM_THREADS.get(env),
                # Open MPI's files in a 0700 folder each node's ranks make, the training
                # world's store in the run's logs folder (launch/mpi_private.py)
@@ -270,6 +273,7 @@ def execute(run: PreparedRun, *, grace_s: float = 40.0) -> Outcome:
         print(f"pivotrl: warning: {run.cpu_warning}", flush=True)
     shared = group_shared(run.config)
     (run.paths.logs / REQUEUE_FILE).unlink(missing_ok=True)   # a stale one: not this start's
+    gps = hold_gps_folder()
     text = ""
     with _Stop(run.paths.logs, run.job) as stop, driving(run):
         if stop.signum is None:
@@ -286,6 +290,7 @@ def execute(run: PreparedRun, *, grace_s: float = 40.0) -> Outcome:
                 os.close(err)
     rc = stop.proc.returncode if stop.proc is not None else None
     cleanup(run, failed=stop.signum is None and rc != 0)
+    shmdir.release(gps)
     if stop.signum is not None:
         return Outcome(128 + stop.signum, f"stopped by {signal.Signals(stop.signum).name}; "
                        f"trace {run.paths.trace}", run.paths, _summary(run.paths))
@@ -367,7 +372,7 @@ def cleanup(run: PreparedRun, failed: bool) -> None:
                 f"print(len(s({run.job!r}) or ''))")
         subprocess.run(["srun", f"--nodes={run.layout.nodes}", "--ntasks-per-node=1",
                         "--overlap", sys.executable, "-c", code], capture_output=True,
-                       timeout=60, check=False)
+                       timeout=60, check=False, env={**os.environ, **run.env})
 
 
 def load_for(alloc: Allocation, config: str | Path, overrides) -> Config:
