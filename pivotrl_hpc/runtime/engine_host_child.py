@@ -21,6 +21,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from pivotrl_hpc import envs
+from pivotrl_hpc.terminal import safe_logs
 
 log = logging.getLogger("pivotrl_hpc.runtime.engine_host")
 
@@ -58,6 +59,7 @@ def run(conn: Connection, worker_pid: int, name: str, env: dict[str, str]) -> No
     logging.basicConfig(level=envs.ENGINE_HOST_LOG.get(),
                         format=f"%(asctime)s [engine host {name}] %(levelname)s %(name)s: "
                                "%(message)s", force=True)
+    safe_logs()   # vLLM's lines may carry prompts and outputs: escaped (terminal.py)
     try:
         serve(conn, host)
     finally:

@@ -28,6 +28,7 @@ from pivotrl_hpc.runtime.host_forker import (FORK, FORKER_WIRE, MAX_REQUEST, ORP
                                              REQUEST_LEN, SESSION, ForkRequest, readable,
                                              recv_exact)
 from pivotrl_hpc.protocol.wire import WireError
+from pivotrl_hpc.terminal import safe_logs
 from pivotrl_hpc.runtime.peer import peer
 
 log = logging.getLogger("pivotrl_hpc.runtime.host_forker")
@@ -218,6 +219,7 @@ def main(argv: list[str]) -> None:
     os.dup2(2, 1)   # vLLM logs to stdout; a worker's stdout is data
     logging.basicConfig(level=logging.WARNING, force=True,
                         format="%(asctime)s [engine host forker] %(levelname)s: %(message)s")
+    safe_logs()
     starter = _follow_starter(int(argv[1]))
     serve(socket.socket(fileno=int(argv[0])), starter)
     # Left (its name already given up): skip the interpreter's teardown of vLLM and torch,
