@@ -4,6 +4,8 @@ SHELL := /bin/bash
 VENV  := .venv
 PY    := $(VENV)/bin/python
 MODELS := .run/models
+# each phase's JUnit file (scripts/suite_times.py prints its modules' time)
+SUITE := .run/suite
 PYTEST_ARGS ?=
 export UCX_MODULES := ^ib,rdmacm
 # Python caches compiled modules (and pytest its rewritten tests): the hundreds of processes
@@ -41,11 +43,14 @@ lint: setup
 	$(VENV)/bin/ruff check .
 
 # Two phases (tests/conftest.py, LIVE_MODULES): the tests of one core each on two xdist
-# workers, then the live jobs alone; both run even if the first fails.
+# workers, then the live jobs alone; both run even if the first fails. Then each phase's
+# time and its modules' (docs/design.md keeps the fresh-clone figures).
 test: setup lint cluster-up
 	@eval "$$(slurm/local/cluster.sh env)" && \
-	  $(PY) -m pytest -m "not live" -n 2 --dist loadfile --durations=10 $(PYTEST_ARGS); a=$$?; \
-	  $(PY) -m pytest -m live --durations=15 $(PYTEST_ARGS); b=$$?; \
+	  $(PY) -m pytest -m "not live" -n 2 --dist loadfile --durations=10 \
+	    --junitxml=$(SUITE)/phase1.xml $(PYTEST_ARGS); a=$$?; \
+	  $(PY) -m pytest -m live --durations=15 --junitxml=$(SUITE)/phase2.xml $(PYTEST_ARGS); b=$$?; \
+	  $(PY) scripts/suite_times.py $(SUITE); \
 	  [ $$a -eq 0 -o $$a -eq 5 ] && [ $$b -eq 0 -o $$b -eq 5 ] && [ $$a -eq 0 -o $$b -eq 0 ]
 
 test-fast: setup lint

@@ -10,6 +10,42 @@ ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("UCX_MODULES", "^ib,rdmacm")  # NIXL segfaults at exit without it
 
 
+# --- each pytest process its own shm root and GPS folder ------------------------------------
+def _own_shm_root() -> Path | None:
+    """A 0700 folder in /dev/shm of this pytest process (an xdist worker, or the one process
+    of a live phase) as PIVOTRL_SHM_DIR, set before any module imports gps.shmdir: the GPS
+    folder `<root>/pivotrl-u<uid>-<suffix>` is then this process's alone, and everything it
+    starts (agents, mpirun and Slurm jobs) inherits it. Without it two workers, or a second
+    pytest of the user, share one folder: a test that asserts the folder goes with the last
+    agent saw the other's agent hold it. A root given from outside is kept; one inherited
+    from the pytest that started this one (xdist's controller) is not."""
+    import tempfile
+
+    from pivotrl_hpc import envs
+
+    given = envs.SHM_DIR.raw()
+    inherited = given is not None and Path(given).name.startswith(TEST_ROOT_PREFIX)
+    if (given and not inherited) or envs.GPS_DIR.is_set() or not os.path.isdir("/dev/shm"):
+        return None
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    root = Path(tempfile.mkdtemp(prefix=f"{TEST_ROOT_PREFIX}{worker}-", dir="/dev/shm"))
+    os.environ[envs.SHM_DIR.name] = str(root)
+    return root
+
+
+TEST_ROOT_PREFIX = "pytest-pivotrl-"   # not `pivotrl-<job>-`: no job sweep matches it
+OWN_SHM_ROOT = _own_shm_root()
+
+
+def pytest_unconfigure(config):
+    """The root goes with its process (agents have stopped: their fixtures are torn down)."""
+    if OWN_SHM_ROOT is not None:
+        import shutil
+
+        shutil.rmtree(OWN_SHM_ROOT, ignore_errors=True)
+# --- end each pytest process its own shm root ------------------------------------------------
+
+
 # --- tiny models and data ------------------------------------------------------------
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> Path:

@@ -332,7 +332,22 @@ def _shm_root() -> dict:
     return {k: os.environ[k] for k in ("PIVOTRL_SHM_DIR",) if k in os.environ}
 
 
-def test_the_slurm_epilog_removes_what_a_killed_job_left(other_user):
+@pytest.fixture
+def owned_gps_folder():
+    """A test that asserts what is user-wide (the folder goes when nothing holds it) owns the
+    folder for its duration: the folder's root is this pytest process's own 0700 folder
+    (tests/conftest.py: one per xdist worker), where no other process of the user puts an
+    agent, and nothing holds the folder as the test starts."""
+    root = SHM_DIR.parent
+    st = os.lstat(root)
+    assert st.st_uid == os.getuid() and not st.st_mode & 0o077, (
+        f"{root} is shared (mode {st.st_mode & 0o7777:o}): any agent of the user may hold "
+        f"{SHM_DIR.name} while this test runs")
+    assert not SHM_DIR.exists() or shmdir.remove_if_unused(), f"{SHM_DIR} held or not empty"
+    return SHM_DIR
+
+
+def test_the_slurm_epilog_removes_what_a_killed_job_left(other_user, owned_gps_folder):
     from slurm_util import ROOT
 
     job = f"{os.getpid()}9"
@@ -363,7 +378,7 @@ def test_the_slurm_epilog_removes_what_a_killed_job_left(other_user):
         shmdir.remove_if_unused()
 
 
-def test_the_gps_folder_goes_with_the_last_agent(tiny_models):
+def test_the_gps_folder_goes_with_the_last_agent(tiny_models, owned_gps_folder):
     """Nothing of GPS outlives its agents: the user's folder stays while any agent holds it
     and goes with the last one (shmdir.hold / release)."""
     models = {"policy": str(tiny_models / "policy")}
