@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import stat
 import subprocess
@@ -115,7 +116,7 @@ def family(host, pid):
     h = (h + (h << 15)) & 0xffffffff
     h ^= pid
     return ((h >> 16) ^ h) & 0xffff
-deadline = time.monotonic() + 120
+deadline = time.monotonic() + 600   # the launcher's checks first: minutes on a loaded machine
 while time.monotonic() < deadline:
     for d in os.listdir("/proc"):
         try:
@@ -183,6 +184,13 @@ def _tree(root: int) -> list[int]:
     return out
 
 
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")[:120].decode()
+    except OSError:
+        return f"pid {pid} (gone)"
+
+
 def _held(pid: int) -> set[str]:
     """The files `pid` maps or holds open (absolute paths, " (deleted)" kept)."""
     paths = set()
@@ -203,18 +211,29 @@ def _held(pid: int) -> set[str]:
     return paths
 
 
+# glibc's sem_open makes a POSIX semaphore in /dev/shm whatever the caller says: a file of a
+# random name made O_CREAT|O_EXCL (mkstemp), then linked to its name; Python's multiprocessing
+# unlinks it at once (its semaphores are never opened by name again). Nothing can be planted
+# under such a name first, and none is reachable by name while the job holds it.
+GLIBC_SEMAPHORE = "sem."
+
+
 def exposure(path: str) -> str | None:
     """The deepest world-writable folder above `path` with no 0700 folder of this user between
     it and `path`; None if there is none (or a folder on the way is already gone)."""
+    deleted, path = path.endswith(" (deleted)"), Path(path.removesuffix(" (deleted)"))
+    if deleted and path.parent == Path("/dev/shm") and path.name.startswith(GLIBC_SEMAPHORE):
+        return None
     open_to = None
-    for folder in [*reversed(Path(path.removesuffix(" (deleted)")).parents)][1:]:   # / left out
+    for folder in [*reversed(path.parents)][1:] + [path]:   # / left out; a folder held: itself
         try:
             st = os.lstat(folder)
         except OSError:
-            return None
+            return open_to if folder == path else None
         if stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_IWOTH:
             open_to = str(folder)
-        elif st.st_uid == os.getuid() and stat.S_IMODE(st.st_mode) & 0o077 == 0:
+        elif stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and \
+                stat.S_IMODE(st.st_mode) & 0o077 == 0:
             open_to = None
     return open_to
 
@@ -225,6 +244,15 @@ def test_exposure_of_paths():
         assert exposure(str(private / "seg")) is None
         assert exposure("/dev/shm/vader_segment.vm.0.1.0") == "/dev/shm"
         assert exposure("/dev/shm/ucx_shm_posix_1 (deleted)") == "/dev/shm"
+        assert exposure(str(private)) is None   # the 0700 folder itself, held open
+        assert exposure("/dev/shm/sem.ab12Cd (deleted)") is None
+        fd, name = tempfile.mkstemp(dir="/dev/shm")   # a 0600 file of the user, in the open
+        os.close(fd)
+        mine = Path(name)
+        try:
+            assert exposure(str(mine)) == "/dev/shm"
+        finally:
+            mine.unlink()
         assert exposure("/usr/lib/x86_64-linux-gnu/libc.so.6") is None
         os.chmod(private, 0o755)
         assert exposure(str(private / "seg")) == "/dev/shm"
@@ -232,7 +260,7 @@ def test_exposure_of_paths():
         private.rmdir()
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1200)
 def test_nobody_planting_segments_and_taking_the_port_base_gets_nothing(tiny_models, tmp_path):
     """One colocated job of 2 devices (a training world of 2: controller and agent, 2
     workers, their engine hosts); steps: 1."""
@@ -253,7 +281,9 @@ def test_nobody_planting_segments_and_taking_the_port_base_gets_nothing(tiny_mod
     try:
         while planter.poll() is None and job.poll() is None:
             time.sleep(0.1)
-        plant_out, plant_err = planter.communicate(timeout=150)
+        if planter.poll() is None:   # the job ended before mpirun was seen
+            planter.kill()
+        plant_out, plant_err = planter.communicate(timeout=30)
         assert planter.returncode == 0, f"{plant_err}; the job: {job.communicate()[0][-2000:]}"
         planted = json.loads(plant_out)
         made = planted["made"]
@@ -267,7 +297,7 @@ def test_nobody_planting_segments_and_taking_the_port_base_gets_nothing(tiny_mod
                 for path in _held(pid) - seen:
                     seen.add(path)
                     if (where := exposure(path)) is not None:
-                        exposed[path] = (pid, where)
+                        exposed[path] = (where, _cmdline(pid))
             time.sleep(0.5)
         output = job.communicate()[0]
         holder.send_signal(signal.SIGTERM)
@@ -300,3 +330,37 @@ def test_nobody_planting_segments_and_taking_the_port_base_gets_nothing(tiny_mod
             Path(name).unlink(missing_ok=True)
         victim.unlink()
         victim_dir.rmdir()
+
+
+def test_the_slurm_epilog_removes_the_jobs_mpi_folders_and_nothing_else(tmp_path):
+    """The epilog (root, every node) removes the job user's `pivotrl-mpi-<job>-<hex>` folders
+    with what a killed rank left inside; not another job's, not another account's, and a
+    symlink under such a name is removed at most, never followed."""
+    root = Path(tempfile.mkdtemp(prefix="pivotrl-epilog-", dir="/tmp"))   # a shared shm
+    root.chmod(0o1777)
+    try:
+        _epilog(root, tmp_path)
+    finally:
+        shutil.rmtree(root)
+
+
+def _epilog(root: Path, tmp_path: Path) -> None:
+    hexes = ["0123456789abcdef", "fedcba9876543210"]
+    ours, other_job = root / f"pivotrl-mpi-77-{hexes[0]}", root / f"pivotrl-mpi-78-{hexes[0]}"
+    for folder in (ours, other_job):
+        folder.mkdir(0o700)
+        (folder / "vader_segment.vm.0.1.0").write_bytes(b"x")
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "keep").write_bytes(SECRET)
+    (root / f"pivotrl-mpi-77-{hexes[1]}").symlink_to(victim)
+    p = _as_nobody("import os, sys; os.mkdir(sys.argv[1], 0o700)",
+                   str(root / "pivotrl-mpi-77-00000000000000ff"))
+    assert p.wait(30) == 0, p.stderr.read()
+    subprocess.run(["bash", str(ROOT / "slurm" / "epilog.sh")], check=True, timeout=60,
+                   env={**os.environ, "SLURM_JOB_ID": "77", "SLURM_JOB_UID": "0",
+                        "PIVOTRL_SHM_DIR": str(root)})
+    assert sorted(p.name for p in root.iterdir()) == [
+        "pivotrl-mpi-77-00000000000000ff", f"pivotrl-mpi-77-{hexes[1]}",
+        f"pivotrl-mpi-78-{hexes[0]}"]
+    assert (victim / "keep").read_bytes() == SECRET

@@ -16,6 +16,10 @@ second or two when a rank dies or calls MPI Abort (ranks then get SIGTERM and
 `odls_base_sigkill_timeout` seconds before SIGKILL). Afterwards the launcher sweeps the job's
 segments from /dev/shm and its cgroups, whatever happened, and names the failing rank (from
 rank-N.error.json, else mpirun's message) with its host, role and error.
+
+Open MPI's shared memory and session files, and the training world's rendezvous, live in
+fresh 0700 folders of the job made before mpirun starts and removed after it
+(launch/mpi_private.py); a job whose settings would put them in a shared folder is refused.
 """
 from __future__ import annotations
 
@@ -447,10 +451,16 @@ def np_check(run: PreparedRun, timeout: float = 120.0) -> tuple[bool, str]:
     """Start the world once with a probe (no job) and check every rank answers."""
     cmd = run.command[:run.command.index(sys.executable)] + [sys.executable, "-c", _PROBE]
     try:
+        folder = mpi_private.check(run.env, create=True)   # the probe's segments: in there
+    except mpi_private.MPIFolderError as e:
+        return False, str(e)
+    try:
         p = subprocess.run(cmd, env={**os.environ, **run.env}, capture_output=True, text=True,
                            timeout=timeout)
     except subprocess.TimeoutExpired:
         return False, f"the {run.layout.world_size}-rank probe did not finish in {timeout:.0f} s"
+    finally:
+        mpi_private.remove(folder)
     seen = [json.loads(m) for m in re.findall(r'\[\d+, \d+, "[^"]*"\]', p.stdout)]
     ranks = sorted(r for r, _, _ in seen)
     if p.returncode != 0 or ranks != list(range(run.layout.world_size)):
