@@ -241,29 +241,52 @@ def test_another_account_cannot_create_anything_in_the_gps_folder(tiny_models, o
         assert not planted.exists()
 
 
-def _serve(root, tiny_models, job: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pivotrl_hpc.cli.main", "gps", "serve",
-                           "--job", job, "--node", "n0", "--model",
-                           f"policy={tiny_models / 'policy'}"], capture_output=True, text=True,
-                          timeout=120, env={**os.environ, "PIVOTRL_SHM_DIR": str(root)})
+PROBE = ("import sys; from pivotrl_hpc.gps.client import GPSClient; "
+         "from pivotrl_hpc.gps import shmdir; c = GPSClient(sys.argv[1], 'n0', wait_s=120); "
+         "print(shmdir.SHM_DIR, c.state('policy').current, flush=True); "
+         "c.shutdown_agent(); c.close()")
 
 
 @pytest.mark.parametrize("planted", ["folder", "symlink"])
-def test_a_gps_folder_planted_by_another_account_is_refused(tiny_models, other_user, planted):
+def test_a_gps_folder_planted_by_another_account_gets_a_fresh_name(tiny_models, other_user,
+                                                                    planted, tmp_path):
+    """Another account made the user's kept folder name first (a folder, or a symlink to
+    /tmp): `gps serve` is not refused (the refusal needed an administrator); it draws a fresh
+    name for this shm root, serves there with its clients, and the planted entry stays."""
     import shutil
     import tempfile
     root = Path(tempfile.mkdtemp(prefix="pivotrl-shmroot-", dir="/tmp"))
     try:
         os.chmod(root, 0o1777)   # a shared shm file system, as /dev/shm is
-        mine = root / SHM_DIR.name
+        state = tmp_path / "state" / "pivotrl"   # the user's record: the test's own
+        state.mkdir(parents=True, mode=0o700)
+        (state / "gps-folder").write_text("ab" * 8 + "\n")
+        os.chmod(state / "gps-folder", 0o600)
+        mine = root / f"pivotrl-u0-{'ab' * 8}"
         code = ("import os, sys; os.mkdir(sys.argv[1], 0o755)" if planted == "folder" else
                 "import os, sys; os.symlink('/tmp', sys.argv[1])")
         assert _as_other(other_user, code, str(mine)).returncode == 0
-        p = _serve(root, tiny_models, f"planted{os.getpid()}")
-        assert p.returncode != 0
-        kind = {"folder": "a folder", "symlink": "a symlink"}[planted]
-        assert f"{mine} is {kind} of uid {other_user.pw_uid}" in p.stderr, p.stderr[-2000:]
-        assert "not a 0700 folder of uid 0" in p.stderr and "Traceback" not in p.stderr
+        env = {**{k: v for k, v in os.environ.items() if k != "PIVOTRL_GPS_DIR"},
+               "PIVOTRL_SHM_DIR": str(root), "XDG_STATE_HOME": str(tmp_path / "state")}
+        job = f"planted{os.getpid()}"
+        agent = subprocess.Popen([sys.executable, "-m", "pivotrl_hpc.cli.main", "gps", "serve",
+                                  "--job", job, "--node", "n0", "--model",
+                                  f"policy={tiny_models / 'policy'}"], env=env,
+                                 stderr=subprocess.PIPE, text=True)
+        try:
+            p = subprocess.run([sys.executable, "-c", PROBE, job], env=env, timeout=300,
+                               capture_output=True, text=True)
+            assert p.returncode == 0, p.stderr[-2000:]
+            folder, current = p.stdout.split()
+            assert Path(folder).parent == root and Path(folder) != mine and current == "0"
+            assert agent.wait(60) == 0
+            err = agent.stderr.read()
+            assert f"{mine} is taken by uid {other_user.pw_uid}" in err, err[-2000:]
+        finally:
+            agent.kill()
+            agent.wait()
+        assert os.lstat(mine).st_uid == other_user.pw_uid
+        assert (os.readlink(mine) == "/tmp") if planted == "symlink" else mine.is_dir()
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
