@@ -78,3 +78,19 @@ def test_a_fit_takes_the_extra_targets_as_residuals_with_their_own_tolerance():
     assert abs(fit.residuals["tau_reward"]) <= targets.TAU_TOLERANCE
     assert cal.tolerance("tau_reward") == 0.25 and cal.tolerance("colocated") == 0.10
     assert cal.prior(goal)[3:] == [[0.0, 1.0, 0.0], [1.0, 0.0, 0.0]]
+
+
+def test_the_engines_cap_is_a_config_key_the_modeled_engines_take(tmp_path):
+    """roles.max_num_seqs (vLLM's, 256 by default; the calibration's veRL 1,024): checked
+    by name, and each modeled worker decodes at most that many sequences at once."""
+    from pivotrl_hpc.config import ConfigError
+    from pivotrl_hpc.controller.clock import VirtualClock
+    from pivotrl_hpc.sim.run import modeled_workers
+
+    config = str(ROOT / "configs" / f"{G7}.yaml")
+    with pytest.raises(ConfigError, match="roles.max_num_seqs"):
+        load_config(config, ["roles.max_num_seqs=0"], check_files=False)
+    cfg, _ = stand_in(load_config(config, ["roles.max_num_seqs=1024"], check_files=False),
+                      tmp_path)
+    c = SimConstants.from_profile(cfg, H20)
+    assert {w.max_num_seqs for w in modeled_workers(cfg, c, VirtualClock())} == {1024}
