@@ -69,7 +69,7 @@ def make(env: Mapping[str, str], group_shared: bool = False) -> None:
     level, checkpoint.folders.open_folder)."""
     folder = Path(envs.MPI_DIR.raw(env))
     try:
-        os.mkdir(folder, 0o700)
+        os.mkdir(folder, mode=0o700)
     except OSError as e:
         raise MPIFolderError(f"MPI folder {folder}: cannot be made ({e.strerror})") from None
     os.chmod(folder, 0o700)
@@ -77,7 +77,7 @@ def make(env: Mapping[str, str], group_shared: bool = False) -> None:
     store = Path(envs.TRAIN_STORE.raw(env)).parent
     fd = open_folder(store.parent, own=2, group_shared=group_shared)
     try:
-        os.mkdir(store.name, 0o700, dir_fd=fd)
+        os.mkdir(store.name, mode=0o700, dir_fd=fd)
         sub = os.open(store.name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
         os.fchmod(sub, 0o700)
         os.close(sub)
@@ -105,7 +105,7 @@ def mca_env(folder: Path) -> dict[str, str]:
 def ensure(folder: Path) -> Path:
     """Make `folder` (0700 whatever the umask) unless it is there; then `check_folder` it."""
     try:
-        os.mkdir(folder, 0o700)
+        os.mkdir(folder, mode=0o700)
         os.chmod(folder, 0o700)   # the umask may have taken bits: exactly 0700
     except FileExistsError:
         pass   # another rank of the job made it first; checked below
