@@ -109,10 +109,10 @@ def engine_options(cfg: Any, model: str):
     return EngineOptions(dtype=m.dtype, max_model_len=m.max_prompt_len + m.max_response_len,
                          kv_cache_memory_bytes=kv.device_bytes,
                          gpu_memory_utilization=cfg.roles.gpu_memory_utilization,
+                         max_num_seqs=cfg.roles.max_num_seqs,
                          device_memory_bytes=0 if kv.override else kv.memory,
                          tensor_parallel_size=size, seed=cfg.rl.seed,
                          omp_threads=omp_threads(cfg),
-                         max_num_seqs=cfg.roles.max_num_seqs,
                          enable_expert_parallel=m.expert_parallel > 1)
 
 

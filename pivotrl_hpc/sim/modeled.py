@@ -70,8 +70,8 @@ class _Seq:
     ahead: list[int] = field(default_factory=list)
     start: int = 0
     length: int = 0   # prompt + generated tokens: what the iteration latency reads
-
     prefilled: bool = False   # its prompt (+ generated tokens) prefilled here yet
+
     def __post_init__(self) -> None:
         self.length = len(self.prompt) + len(self.generated)
 
@@ -251,17 +251,17 @@ class ModeledWorker:
         # as vLLM: the first max_num_seqs sequences in arrival order run, the rest wait
         # (their KV is not allocated yet) until a running one finishes
         running = list(islice(self.seqs.items(), self.max_num_seqs))
-        live = [(sid, s) for sid, s in running if s.remaining > 0]
-        k = 1 if self.late_finish or not live else min(most, min(s.remaining for _, s in live))
-        n_seq = len(running)
-        n_tok = sum(s.length for _, s in running)
-        # iteration i sees n_tok + i * (sequences still generating) tokens
         # those running for the first time here are prefilled in this block
         fresh = [s for _, s in running if not s.prefilled]
         prefill = self.slowdown * sum(s.length for s in fresh) * self.prefill_s_per_token.get(
             self._model(), 0.0)
         for s in fresh:
             s.prefilled = True
+        live = [(sid, s) for sid, s in running if s.remaining > 0]
+        k = 1 if self.late_finish or not live else min(most, min(s.remaining for _, s in live))
+        n_seq = len(running)
+        n_tok = sum(s.length for _, s in running)
+        # iteration i sees n_tok + i * (sequences still generating) tokens
         seconds = prefill + (self.slowdown * sum(model.latency(n_seq, n_tok + i * len(live))
                                                  for i in range(k)) if self.seqs else 0.0)
         if not self.leads:
