@@ -139,7 +139,7 @@ def slurm_cluster():
 LIVE_MODULES = frozenset({
     "test_launch", "test_learning", "test_long_batch", "test_resume_live", "test_run_paradigms",
     "test_security_planted", "test_slurm_job", "test_slurm_requeue", "test_slurm_stop",
-    "test_warmstart", "test_run_folder_live",
+    "test_warmstart", "test_run_folder_live", "test_security_mpi", "test_security_checkpoint",
 })
 
 
