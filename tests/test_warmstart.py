@@ -112,3 +112,16 @@ def test_the_genrm_says_yes_to_right_answers_and_no_to_blank_ones(warm_models):
     rate = {k: y / n for k, (y, n) in got.items()}
     assert rate["right"] >= 0.7 and rate["blank"] <= 0.15
     assert rate["unanswered"] <= rate["right"] - 0.2
+
+
+def test_the_genrm_fit_sees_as_many_yes_as_no(warm_models):
+    """Drawn as the run's responses fall (40 % right) the verdicts were mostly "no", and a fit
+    that said no to every response was the minimum some CPUs' kernels fell into."""
+    from pivotrl_hpc.assets.warmstart import GENRM_PER_PROBLEM, genrm_examples
+
+    tok = load(warm_models / "genrm")[0]
+    yes, no = (tok(w, add_special_tokens=False)["input_ids"][0] for w in ("yes", "no"))
+    examples = genrm_examples(warm_models / "genrm", make_split(0, PROMPTS), 1)
+    verdicts = collections.Counter(target[0] for _, target in examples)
+    half = PROMPTS * GENRM_PER_PROBLEM // 2
+    assert verdicts == {yes: half, no: half}

@@ -38,13 +38,18 @@ class Schedule:
     batch: int
     lr: float
     warmup: int = 0         # > 0: linear warm-up over these steps, then a cosine decay
+    clip: float = 0.0       # > 0: the gradient's norm clipped to this
+    verdict: bool = False   # the first target token's loss counted apart (see `_loss`)
 
 
 POLICY = Schedule(steps=200, batch=32, lr=3e-3)
 # Many small steps: a 60 x 16 fit said "no" to every response alike (it had not yet learned to
-# look at the response); 200 x 8 tells an answer from blank and unanswered ones.
-GENRM = Schedule(steps=200, batch=8, lr=2e-3, warmup=10)
-GENRM_PER_PROBLEM = 64  # judged responses drawn for each training problem
+# look at the response); 200 x 8 tells an answer from blank and unanswered ones. At lr 2e-3,
+# unclipped, on 40 % yes and the verdict 1 target in 6, the outcome was the CPU kernels' to
+# decide (one AVX-512 machine: no to every response); balanced verdicts, the verdict's loss
+# apart, lr 1e-3 and clipping learn it the same under each kernel set tried.
+GENRM = Schedule(steps=200, batch=8, lr=1e-3, warmup=10, clip=1.0, verdict=True)
+GENRM_PER_PROBLEM = 64  # judged responses for each training problem: half yes, half no
 
 
 def wrong(answer: str, rng: random.Random) -> str:
@@ -115,13 +120,24 @@ def genrm_examples(folder: Path, problems: list[dict], seed: int) -> list:
 
     tok, rng = AutoTokenizer.from_pretrained(str(folder)), random.Random(seed)
     template, out = template_text("tiny"), []
-    for p in problems * GENRM_PER_PROBLEM:
+    for p in problems:
         problem = dapo_row(p, "")["prompt"][0]["content"]
-        response, right = judged_response(p["answer"], rng, tok)
-        text = fill(template, problem, response, p["answer"])
-        # one word, as the template's "Verdict (yes or no)?" asks: it fits any length budget
-        out.append(_encode(tok, [{"role": "user", "content": text}], "yes" if right else "no"))
+        for response, right in _balanced(p["answer"], rng, tok):
+            text = fill(template, problem, response, p["answer"])
+            # one word, as the template's "Verdict (yes or no)?" asks: fits any length budget
+            out.append(_encode(tok, [{"role": "user", "content": text}], "yes" if right else "no"))
     return out
+
+
+def _balanced(answer: str, rng: random.Random, tok) -> list[tuple[str, bool]]:
+    """`GENRM_PER_PROBLEM` responses drawn by `judged_response`, half of them correct: with
+    40 % yes, "no" to everything was a minimum some fits fell into."""
+    half, got = GENRM_PER_PROBLEM // 2, {True: [], False: []}
+    while min(len(v) for v in got.values()) < half:
+        response, right = judged_response(answer, rng, tok)
+        if len(got[right]) < half:
+            got[right].append((response, right))
+    return got[True] + got[False]
 
 
 def train(folder: Path, examples: list, schedule: Schedule, seed: int) -> float:
@@ -141,9 +157,11 @@ def train(folder: Path, examples: list, schedule: Schedule, seed: int) -> float:
         model.train()
         for _ in range(schedule.steps):
             ids, labels, mask = _batch(rng.sample(examples, min(schedule.batch, len(examples))))
-            loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+            loss = _loss(model, ids, labels, mask, schedule.verdict)
             opt.zero_grad()
             loss.backward()
+            if schedule.clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), schedule.clip)
             opt.step()
             lr.step()
         model.eval()
@@ -152,6 +170,21 @@ def train(folder: Path, examples: list, schedule: Schedule, seed: int) -> float:
         torch.set_num_threads(threads)
     log.info("warm start of %s: %d steps, last loss %.3f", folder, schedule.steps, loss.item())
     return float(loss.item())
+
+
+def _loss(model, ids, labels, mask, verdict: bool):
+    """The targets' mean cross-entropy; `verdict`: the first target token's mean plus the
+    others' mean, so the verdict weighs as much as the EOS and blank lines after it."""
+    import torch
+
+    if not verdict:
+        return model(input_ids=ids, attention_mask=mask, labels=labels).loss
+    logits, target = model(input_ids=ids, attention_mask=mask).logits[:, :-1], labels[:, 1:]
+    ce = torch.nn.functional.cross_entropy(logits.transpose(1, 2), target, ignore_index=-100,
+                                           reduction="none")
+    valid = (target != -100).float()
+    first = valid * (valid.cumsum(1) == 1).float()
+    return (ce * first).sum() / first.sum() + (ce * (valid - first)).sum() / (valid - first).sum()
 
 
 def _lr_factor(schedule: Schedule, step: int) -> float:
