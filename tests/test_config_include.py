@@ -19,13 +19,14 @@ G7 = "qwen2.5-7b_qwen3-30b-a3b"
 
 
 def _copy_paper_config(tmp_path: Path) -> Path:
-    """configs/<G7>.yaml copied with its calibration, with rl.batch_size: 8 and
-    workload.length_mode: eos, as a user edits it."""
+    """configs/<G7>.yaml copied with its calibration, with rl.batch_size: 8 (the calibration
+    sets 32) and workload.length_mode: eos, as a user edits it."""
     (tmp_path / "calibration").mkdir()
     shutil.copy(ROOT / "configs" / "calibration" / f"{G7}.yaml", tmp_path / "calibration")
     text = (ROOT / "configs" / f"{G7}.yaml").read_text()
-    assert text.count("batch_size: 32") == 1
-    text = text.replace("batch_size: 32", "batch_size: 8") + "workload: {length_mode: eos}\n"
+    assert text.count("group_size: 16,") == 1 and "batch_size" not in text
+    text = text.replace("group_size: 16,", "group_size: 16, batch_size: 8,") + \
+        "workload: {length_mode: eos}\n"
     out = tmp_path / "mine.yaml"
     out.write_text(text)
     return out
