@@ -7,6 +7,7 @@ the signal and failure jobs run 2 nodes x 1 device (a second node, its agent and
 world 4), and the two-runs-at-once test's runs are the query job and a 1-node job beside it."""
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -453,6 +454,7 @@ def test_a_refused_rank_ends_the_job_with_exit_2(tmp_path):
     the rank's error file to `pivotrl run` / the Slurm job's exit."""
     from types import SimpleNamespace
 
+    from pivotrl_hpc.config.schema import Config
     from pivotrl_hpc.gps.conns import NameTaken
     from pivotrl_hpc.gps.shmdir import FolderRefused
     from pivotrl_hpc.launch.diagnose import job_exit_code
@@ -467,12 +469,17 @@ def test_a_refused_rank_ends_the_job_with_exit_2(tmp_path):
     paths.logs.mkdir()
     assert job_exit_code(paths) == 1   # no rank wrote an error: a crash, a signal
     info = RankLayout(1, 2, ("n0",)).info(2)
-    rank = SimpleNamespace(info=info, paths=paths)
+    rank = SimpleNamespace(info=info, paths=paths, error_written=False, cfg=Config())
+    rank._write_log_file = functools.partial(Rank._write_log_file, rank)
+    Rank._write_error(rank, RuntimeError("boom"))
+    assert job_exit_code(paths) == 1
+    Rank._write_error(rank, refusals[0])   # a rank's first error is the one it names
+    assert json.loads(paths.rank_error(2).read_text())["exit_code"] == 1
+    paths.rank_error(2).unlink()
+    rank.error_written = False
     Rank._write_error(rank, refusals[0])
     assert json.loads(paths.rank_error(2).read_text())["exit_code"] == 2
     assert job_exit_code(paths) == 2
-    Rank._write_error(rank, RuntimeError("boom"))
-    assert job_exit_code(paths) == 1
 
 
 def test_controller_failure_names_rank_0(tiny_models, tmp_path):

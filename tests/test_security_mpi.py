@@ -216,6 +216,9 @@ def _held(pid: int) -> set[str]:
 # unlinks it at once (its semaphores are never opened by name again). Nothing can be planted
 # under such a name first, and none is reachable by name while the job holds it.
 GLIBC_SEMAPHORE = "sem."
+# The checkout and its venv: what the job maps from there (libraries, modules) is read-only
+# code the user installed; test_the_installation_is_writable_by_no_one_else checks it.
+INSTALLED = tuple({ROOT, Path(sys.prefix).resolve()})
 
 
 def exposure(path: str) -> str | None:
@@ -224,6 +227,8 @@ def exposure(path: str) -> str | None:
     deleted, path = path.endswith(" (deleted)"), Path(path.removesuffix(" (deleted)"))
     if deleted and path.parent == Path("/dev/shm") and path.name.startswith(GLIBC_SEMAPHORE):
         return None
+    if not deleted and any(path.is_relative_to(top) for top in INSTALLED):
+        return None   # code the user installed (a clone may live in /tmp), not the job's files
     open_to = None
     for folder in [*reversed(path.parents)][1:] + [path]:   # / left out; a folder held: itself
         try:
@@ -236,6 +241,12 @@ def exposure(path: str) -> str | None:
                 stat.S_IMODE(st.st_mode) & 0o077 == 0:
             open_to = None
     return open_to
+
+
+def test_the_installation_is_writable_by_no_one_else():
+    for top in INSTALLED:
+        st = os.stat(top)
+        assert st.st_uid in (0, os.getuid()) and not st.st_mode & 0o022, (top, oct(st.st_mode))
 
 
 def test_exposure_of_paths():
