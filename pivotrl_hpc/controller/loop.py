@@ -101,7 +101,7 @@ class Controller:
 
     # --- the loop ----------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
-        ok, stopped = False, False
+        ok, stopped = False, None
         try:
             self.report.start()   # what this segment starts from (a resume restored some)
             self.prebuild()
@@ -130,19 +130,25 @@ class Controller:
             summary["peak_rss_mb"] = peak_rss
             return summary
         except KeyboardInterrupt as e:   # a stop signal (launch.stop.Interrupted): orderly
-            stopped = True
-            try:   # what the run did until the stop, for the summary the launch writes
-                e.summary = {**self.report.summary(), "stopped": f"{e} after step {self.step}"}
-            except Exception:   # the stop goes on without it
-                log.exception("no summary at the stop")
+            stopped = e
             raise
         finally:
             self.trace.flush()  # readable whatever happens next (a dead worker gets us killed)
             # A failed run waits only briefly for answers: a dead worker never replies. On a
             # stop the workers first finish the command they are in (a shift up, a step:
             # seconds), inside the ranks' stop grace (20 s).
-            self.shutdown(60.0 if ok else STOP_SHUTDOWN_S if stopped else 5.0,
-                          orderly=ok or stopped)
+            self.shutdown(60.0 if ok else STOP_SHUTDOWN_S if stopped is not None else 5.0,
+                          orderly=ok or stopped is not None)
+            if stopped is not None:   # after the shutdown's replies, as at the end above
+                self._stop_summary(stopped)
+
+    def _stop_summary(self, e: KeyboardInterrupt) -> None:
+        """What the run did until the stop, for the summary the launch writes (the stop goes
+        on without it if it cannot be made)."""
+        try:
+            e.summary = {**self.report.summary(), "stopped": f"{e} after step {self.step}"}
+        except Exception:
+            log.exception("no summary at the stop")
 
     def prebuild(self) -> None:
         """Prepare every device (its engines built, asleep) before anything else: the
