@@ -227,6 +227,14 @@ def test_sweep_leaves_another_users_files(other_user):
 
 
 # ---- this user's 0700 folder (issue 11.2) -----------------------------------------------
+def _serve(job: str, tiny_models, env: dict) -> subprocess.Popen:
+    """`pivotrl gps serve` of the tiny policy on node n0 for `job`, its stderr piped."""
+    return subprocess.Popen([sys.executable, "-m", "pivotrl_hpc.cli.main", "gps", "serve",
+                             "--job", job, "--node", "n0", "--model",
+                             f"policy={tiny_models / 'policy'}"], env=env,
+                            stderr=subprocess.PIPE, text=True)
+
+
 def _as_other(other_user, code: str, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(["/usr/bin/python3", "-c", code, *args], user=other_user.pw_uid,
                           group=other_user.pw_gid, capture_output=True, text=True, timeout=60)
@@ -269,10 +277,7 @@ def test_a_gps_folder_planted_by_another_account_gets_a_fresh_name(tiny_models, 
         env = {**{k: v for k, v in os.environ.items() if k != "PIVOTRL_GPS_DIR"},
                "PIVOTRL_SHM_DIR": str(root), "XDG_STATE_HOME": str(tmp_path / "state")}
         job = f"planted{os.getpid()}"
-        agent = subprocess.Popen([sys.executable, "-m", "pivotrl_hpc.cli.main", "gps", "serve",
-                                  "--job", job, "--node", "n0", "--model",
-                                  f"policy={tiny_models / 'policy'}"], env=env,
-                                 stderr=subprocess.PIPE, text=True)
+        agent = _serve(job, tiny_models, env)
         try:
             p = subprocess.run([sys.executable, "-c", PROBE, job], env=env, timeout=300,
                                capture_output=True, text=True)
@@ -308,10 +313,7 @@ def test_a_write_into_a_full_shm_fails_with_the_figure_and_keeps_the_last_versio
         tiny_models, small_shm):
     env = {**os.environ, "PIVOTRL_SHM_DIR": str(small_shm)}   # agent and client: the small one
     job = f"full{os.getpid()}"
-    agent = subprocess.Popen([sys.executable, "-m", "pivotrl_hpc.cli.main", "gps", "serve",
-                              "--job", job, "--node", "n0", "--model",
-                              f"policy={tiny_models / 'policy'}"], env=env,
-                             stderr=subprocess.PIPE, text=True)
+    agent = _serve(job, tiny_models, env)
     try:
         for line in agent.stderr:
             if "ready" in line:
