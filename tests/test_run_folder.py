@@ -149,7 +149,8 @@ def test_pruning_keeps_to_the_committing_runs_own_checkpoints(tmp_path):
 def test_submit_refuses_without_slurm_as_the_cli_does(monkeypatch, tmp_path):
     import pivotrl_hpc
 
-    monkeypatch.setenv("PATH", str(tmp_path))   # no sbatch here
+    # the one fault a machine with Slurm cannot give on demand: no sbatch on PATH
+    monkeypatch.setenv("PATH", str(tmp_path))
     with pytest.raises(LaunchError, match="sbatch is not on PATH"):
         pivotrl_hpc.submit(ROOT / "configs" / "tiny-cpu.yaml", check=False,
                            runs_root=tmp_path / "runs")

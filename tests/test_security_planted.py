@@ -58,13 +58,19 @@ def _run_nobody(code: str, *args: str, group: bool = False) -> str:
     return out
 
 
+def _tmp_folder(prefix: str, mode: int):
+    """A fresh folder of root under /tmp with `mode` (a fixture's body: yields it, then
+    removes it with everything in it)."""
+    root = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    os.chmod(root, mode)
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
 @pytest.fixture
 def shared():
     """A world-writable sticky folder standing in for /tmp or a group scratch."""
-    root = Path(tempfile.mkdtemp(prefix="pivotrl-planted-", dir="/tmp"))
-    os.chmod(root, 0o1777)
-    yield root
-    shutil.rmtree(root, ignore_errors=True)
+    yield from _tmp_folder("pivotrl-planted-", 0o1777)
 
 
 def _cfg(trace: Path, *more: str):

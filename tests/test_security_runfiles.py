@@ -12,10 +12,8 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import shutil
 import stat
 import subprocess
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -25,6 +23,7 @@ from test_security_planted import NOBODY
 from test_security_planted import _as_nobody as as_nobody
 from test_security_planted import _root_only  # noqa: F401  (autouse: root and the system Python)
 from test_security_planted import _run_nobody as run_nobody
+from test_security_planted import _tmp_folder
 
 
 def _as_nobody(code: str, *args: str) -> subprocess.Popen:
@@ -39,10 +38,7 @@ def _run_nobody(code: str, *args: str) -> str:
 @pytest.fixture
 def top():
     """A folder of root that every account may enter (0755), as a home or project folder."""
-    root = Path(tempfile.mkdtemp(prefix="pivotrl-runfiles-", dir="/tmp"))
-    os.chmod(root, 0o755)
-    yield root
-    shutil.rmtree(root, ignore_errors=True)
+    yield from _tmp_folder("pivotrl-runfiles-", 0o755)
 
 
 def _group_folder(path: Path) -> Path:
